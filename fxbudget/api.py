@@ -1,0 +1,266 @@
+"""`fxbudget.compile`, `fxbudget.inspect`, `fxbudget.kernel_fingerprint`: the public entry points."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import warnings
+
+import torch
+from torch import fx, nn
+from transformers.cache_utils import DynamicCache
+
+from .backend import INNER_BACKENDS, NoBudgetAttentionError, kernel_window, make_backend
+from .cache import BudgetCache, _layer_shapes
+from .eager import BudgetAttentionMode
+from .passes.sdpa import REGION_KEY
+from .rules import Rule, get
+
+log = logging.getLogger("fxbudget")
+
+
+def _check_int(name: str, value, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: int | None) -> None:
+    """Every check that can fail before the model is touched (DESIGN §7)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxbudget.compile expects a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model.forward, BudgetForward):
+        raise ValueError("this model is already compiled by fxbudget; call model.forward.restore() first")
+    _check_int("budget", budget)
+    if chunk_size is not None:
+        _check_int("chunk_size", chunk_size)
+    if backend is not None and backend not in INNER_BACKENDS:
+        raise ValueError(f"backend must be one of {INNER_BACKENDS} or None (no torch.compile), got {backend!r}")
+    config = getattr(model, "config", None)
+    if config is None:
+        return  # a custom module that builds its own BudgetCache
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in (None, "sdpa"):
+        raise ValueError(
+            f"fxbudget needs SDPA attention, this model uses {impl!r}: load it with attn_implementation='sdpa' "
+            "or call model.set_attn_implementation('sdpa') first")
+    _layer_shapes(config)  # raises for layer types fxbudget cannot budget
+    max_pos = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if max_pos is not None and budget > max_pos:
+        warnings.warn(f"budget {budget} exceeds the model's max_position_embeddings {max_pos}; "
+                      "the cache will never be full", stacklevel=3)
+
+
+def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *, chunk_size: int | None = None,
+            backend: str | None = "inductor", headroom: int = 0, **rule_params) -> nn.Module:
+    """Run `model` with a KV cache of at most `budget` entries per layer and KV head, evicting with `rule`.
+
+    The model is modified in place (its `forward` is wrapped) and returned; `model.forward.restore()` undoes it.
+    Every rule runs the same kernel; only its scoring ops differ.
+
+    Args:
+        model: a Hugging Face causal LM using SDPA attention, or any module that calls
+            `scaled_dot_product_attention` on keys/values from a `BudgetCache` passed as `past_key_values`.
+        rule: a registered rule name (`fxbudget.rules.available()`) or a `Rule` instance.
+        budget: KV entries kept per full-attention layer and KV head.
+        chunk_size: split inputs longer than this into chunks, so prefill memory is bounded by budget + chunk_size.
+        backend: "inductor" (default), "aot_eager" or "eager" (Dynamo backends, same semantics), or None to run the
+            kernel eagerly without torch.compile (the reference path).
+        headroom: extra slots for caches created automatically (see `BudgetCache.frozen`).
+        **rule_params: hyperparameters of a named rule, e.g. `window=64` for snapkv.
+
+    Returns:
+        The same model, whose forward (and therefore `generate`) now uses the budget cache.
+    """
+    _validate(model, budget, backend, chunk_size)
+    rule_obj = get(rule, **rule_params)
+    _check_int("headroom", headroom, 0)
+    model.forward = BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend,
+                                  headroom=headroom)
+    gen_cfg = getattr(model, "generation_config", None)
+    if gen_cfg is not None:
+        gen_cfg.disable_compile = True  # generate() must not compile the forward again with its own settings
+    return model
+
+
+def _raise_recompile_limit() -> None:
+    # Each (rule, budget, input shape) is its own graph of the same forward; fail loudly rather than fall back.
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 64)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 1024)
+    cfg.fail_on_recompile_limit_hit = True
+
+
+class BudgetForward:
+    """The wrapped forward of a model compiled by fxbudget (installed as `model.forward`)."""
+
+    def __init__(self, model: nn.Module, rule: Rule, budget: int, *, chunk_size: int | None,
+                 backend: str | None, headroom: int):
+        self.model, self.rule, self.budget = model, rule, budget
+        self.chunk_size, self.backend, self.headroom = chunk_size, backend, headroom
+        self.window = kernel_window(rule)
+        self.original = model.forward
+        self._verified = False
+        if backend is None:
+            self._run = self._run_eager
+        else:
+            _raise_recompile_limit()
+            self._compiled = torch.compile(self.original, backend=make_backend(rule, inner=backend),
+                                           fullgraph=True, dynamic=False)
+            self._run = self._compiled
+
+    def _run_eager(self, *args, **kwargs):
+        with BudgetAttentionMode(self.rule, self.window, get("window")):
+            return self.original(*args, **kwargs)
+
+    def restore(self) -> nn.Module:
+        """Put the original forward back; returns the model."""
+        self.model.forward = self.original
+        return self.model
+
+    def new_cache(self, batch_size: int = 1, *, headroom: int | None = None) -> BudgetCache:
+        """A fresh `BudgetCache` for this model (its dtype and device)."""
+        p = next(self.model.parameters())
+        return BudgetCache(self.model.config, self.budget, batch_size, dtype=p.dtype, device=p.device,
+                           headroom=self.headroom if headroom is None else headroom)
+
+    def _resolve_cache(self, cache, batch: int) -> BudgetCache:
+        if cache is None or (isinstance(cache, DynamicCache) and int(cache.get_seq_length()) == 0):
+            return self.new_cache(batch)  # generate() hands an empty DynamicCache on its first call
+        if not isinstance(cache, BudgetCache):
+            raise TypeError(f"past_key_values must be a fxbudget.BudgetCache, got {type(cache).__name__}")
+        if cache.budget != self.budget:
+            raise ValueError(f"cache budget {cache.budget} differs from the compiled budget {self.budget}")
+        if cache.batch_size != batch:
+            raise ValueError(f"cache was built for batch size {cache.batch_size}, input has {batch}")
+        config = getattr(self.model, "config", None)
+        if config is not None and cache.signature != BudgetCache(config, 1).signature:
+            raise ValueError("cache was built for another model (layers/heads/head_dim differ)")
+        p = next(self.model.parameters(), None)
+        if p is not None and (cache.dtype != p.dtype or cache.device != p.device):
+            raise ValueError(f"cache is {cache.dtype} on {cache.device}, model is {p.dtype} on {p.device}; "
+                             "build it with BudgetCache(..., dtype=, device=) matching the model")
+        return cache
+
+    def __call__(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                 inputs_embeds=None, use_cache=None, **kwargs):
+        x = input_ids if input_ids is not None else inputs_embeds
+        if x is None:
+            raise ValueError("pass input_ids or inputs_embeds")
+        if use_cache is False:
+            raise ValueError("a budget-compiled model always uses its cache; do not pass use_cache=False")
+        batch, n = x.shape[0], x.shape[1]
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            raise ValueError("padded batches are not supported yet: pass unpadded rows of equal length "
+                             "(positions come from the cache, visibility from positions)")
+        cache = self._resolve_cache(past_key_values, batch)
+        if position_ids is not None:
+            seen = cache.tokens_seen
+            expected = torch.arange(seen, seen + n, device=position_ids.device).expand(batch, n)
+            if position_ids.shape[-1] != n or not torch.equal(position_ids.reshape(-1, n).expand(batch, n), expected):
+                raise ValueError("position_ids must continue the cache's positions (no padding or gaps supported)")
+        step = self.chunk_size or n
+        chunks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
+        keep = kwargs.get("logits_to_keep", 0)
+        outputs, logits = None, []
+        for i, sl in enumerate(chunks):
+            last = i == len(chunks) - 1
+            kw = dict(kwargs)
+            if len(chunks) > 1 and not last and isinstance(keep, int) and 0 < keep <= sl.stop - sl.start:
+                kw["logits_to_keep"] = 1  # only the final chunk's logits were asked for
+            part = {"input_ids": input_ids[:, sl]} if input_ids is not None else {"inputs_embeds": inputs_embeds[:, sl]}
+            cache.admit(sl.stop - sl.start)
+            outputs = self._call_once(past_key_values=cache, use_cache=True, **part, **kw)
+            if len(chunks) > 1 and not (isinstance(keep, int) and 0 < keep <= sl.stop - sl.start and not last):
+                logits.append(outputs.logits)
+        if len(chunks) > 1 and hasattr(outputs, "logits"):
+            outputs.logits = torch.cat(logits, dim=1)[:, -keep:] if keep else torch.cat(logits, dim=1)
+        return outputs
+
+    def _call_once(self, **kwargs):
+        if self._verified:
+            return self._run(**kwargs)
+        try:
+            out = self._run(**kwargs)
+        except Exception as e:  # the first call traces: a model fxbudget cannot rewrite is left as it was
+            cause = e
+            while cause is not None and not isinstance(cause, NoBudgetAttentionError):
+                cause = cause.__cause__ or cause.__context__
+            if cause is not None:
+                self.restore()
+                raise NoBudgetAttentionError(str(cause)) from None
+            raise
+        self._verified = True
+        return out
+
+
+def _captured_graphs(model, input_ids, rule, budget, cache, rule_params) -> list[fx.GraphModule]:
+    graphs: list[fx.GraphModule] = []
+    _raise_recompile_limit()
+    fwd = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
+    backend = make_backend(rule, inner="eager", on_graph=graphs.append, **rule_params)
+    if cache is None:
+        p = next(model.parameters())
+        cache = BudgetCache(model.config, budget, input_ids.shape[0], dtype=p.dtype, device=p.device)
+    with torch.no_grad():
+        torch.compile(fwd, backend=backend, fullgraph=True, dynamic=False)(
+            input_ids=input_ids, past_key_values=cache, use_cache=True)
+    return graphs
+
+
+def inspect(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "snapkv", budget: int = 1024,
+            cache: BudgetCache | None = None, **rule_params) -> str:
+    """The rewritten graph's Python code for one forward of `model` on `input_ids` (model left unmodified).
+
+    Args:
+        model: the unmodified model (an HF causal LM, or a module taking `input_ids=` and `past_key_values=`).
+        input_ids: a sample input; its length fixes the shapes of the traced graph.
+        rule, budget, **rule_params: as for `fxbudget.compile`.
+        cache: the BudgetCache to trace with (default: a fresh one for the model's config).
+    Returns:
+        The code of the rewritten graph(s), as `torch.fx` prints it.
+    """
+    _check_int("budget", budget)
+    graphs = _captured_graphs(model, input_ids, rule, budget, cache, rule_params)
+    return "\n".join(gm.code.strip() for gm in graphs)
+
+
+def _node_key(node: fx.Node, names: dict[fx.Node, str]) -> str:
+    def ref(a):
+        return names[a] if isinstance(a, fx.Node) else repr(a)
+
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", str(node.target))
+    if isinstance(node.target, torch._ops.OpOverload):
+        target = str(node.target)
+    args = torch.fx.node.map_aggregate(node.args, ref)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, ref)
+    return f"{node.op}|{target}|{args}|{kwargs}"
+
+
+def graph_fingerprint(graphs: list[fx.GraphModule]) -> str:
+    """sha256 of the graphs' ops in order, each run of rule-region ops collapsed into one `<rule>` token."""
+    h = hashlib.sha256()
+    for gm in graphs:
+        names: dict[fx.Node, str] = {}
+        in_rule, count = False, 0
+        for node in gm.graph.nodes:
+            if node.meta.get(REGION_KEY) == "rule":
+                names[node] = "<rule>"
+                if not in_rule:
+                    h.update(b"<rule>\n")
+                in_rule = True
+                continue
+            in_rule = False
+            names[node] = f"%{count}"
+            count += 1
+            h.update(_node_key(node, names).encode() + b"\n")
+    return h.hexdigest()
+
+
+def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "snapkv",
+                       budget: int = 1024, cache: BudgetCache | None = None, **rule_params) -> str:
+    """Hash of the rewritten graph with the rule's ops abstracted: equal for every rule means one shared kernel.
+
+    Args and model handling as for `inspect`. Returns a hex sha256 string.
+    """
+    _check_int("budget", budget)
+    return graph_fingerprint(_captured_graphs(model, input_ids, rule, budget, cache, rule_params))

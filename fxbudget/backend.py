@@ -1,0 +1,69 @@
+"""The `fxbudget` Dynamo backend: run the SDPA pass, then hand the graph to Inductor (or aot_eager/eager)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import fx
+
+from .kernel import DEFAULT_WINDOW
+from .passes.sdpa import rewrite
+from .rules import Rule, get
+
+INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+class NoBudgetAttentionError(RuntimeError):
+    """The traced graph has no SDPA call fed by a BudgetCache."""
+
+
+def kernel_window(rule: Rule) -> int:
+    """The observation window of a run: the rule's own `window` if it has one, else the kernel default."""
+    return rule.window if getattr(rule, "window", None) else DEFAULT_WINDOW
+
+
+def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
+                 on_graph: Callable[[fx.GraphModule], None] | None = None, **rule_params):
+    """A Dynamo backend that rewrites SDPA for `rule` and compiles with `inner`.
+
+    Args:
+        rule: rule name or instance. inner: "inductor" (default), "aot_eager" or "eager" (same semantics, for
+            debugging). on_graph: called with each rewritten graph before `inner` compiles it.
+        **rule_params: hyperparameters for a named rule.
+    Returns:
+        A callable `(gm, example_inputs, **kwargs) -> compiled forward` for `torch.compile(backend=...)`.
+    """
+    if inner not in INNER_BACKENDS:
+        raise ValueError(f"backend must be one of {INNER_BACKENDS}, got {inner!r}")
+    rule = get(rule, **rule_params)
+    window = kernel_window(rule)
+    sliding_rule = get("window")
+
+    def fxbudget_backend(gm: fx.GraphModule, example_inputs, **kwargs):
+        report = rewrite(gm, rule, window, sliding_rule)
+        if not report.rewritten:
+            raise NoBudgetAttentionError(
+                "fxbudget found no scaled_dot_product_attention fed by a BudgetCache in the traced graph "
+                f"({len(report.untouched)} SDPA call(s) not fed by one). Is the model's attention implementation "
+                "'sdpa' and does it read keys/values from past_key_values.update()?")
+        if on_graph is not None:
+            on_graph(gm)
+        if inner == "eager":
+            return gm.forward
+        if inner == "aot_eager":
+            from torch._dynamo.backends.debugging import aot_eager
+
+            return aot_eager(gm, example_inputs)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+
+    fxbudget_backend.rule, fxbudget_backend.window = rule, window
+    return fxbudget_backend
+
+
+@torch._dynamo.register_backend(name="fxbudget")
+def fxbudget(gm: fx.GraphModule, example_inputs, rule: str | Rule = "snapkv", inner: str = "inductor", **kwargs):
+    """`torch.compile(model, backend="fxbudget")`: the SDPA rewrite for `rule` (default snapkv), then Inductor."""
+    return make_backend(rule, inner=inner)(gm, example_inputs)

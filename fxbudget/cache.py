@@ -1,0 +1,213 @@
+"""`BudgetCache`: fixed-size KV slots per layer, and the marker that links each attention call to its slots.
+
+Every tensor is allocated up front and only written in place, so a compiled graph sees the cache as graph inputs and
+never changes shape. `update()` does not attend or evict: it emits the marker op `fxbudget::candidates`, whose
+arguments are everything the kernel needs; the SDPA pass (compiled path) or the eager interceptor (eager path)
+replaces the SDPA call fed by it with `budget_attention`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+@torch.library.custom_op("fxbudget::candidates", mutates_args=())
+def candidates(
+    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, k_new: Tensor, v_new: Tensor,
+    new_pos: Tensor, limit: Tensor, layer: int, budget: int, sliding: int,
+) -> tuple[Tensor, Tensor]:
+    """Marker: the candidate keys/values (slots then new tokens), as a plain cache would hand them to SDPA."""
+    return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
+
+
+@candidates.register_fake
+def _(k_slots, v_slots, pos_slots, state, k_new, v_new, new_pos, limit, layer, budget, sliding):
+    return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
+
+
+# Positional argument names of the marker, shared by the pass and the eager interceptor.
+MARKER_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "k_new", "v_new", "new_pos", "limit")
+
+
+@dataclass
+class MarkerCall:
+    """The marker's arguments, attached to its eager outputs so the eager interceptor can find them."""
+
+    tensors: tuple[Tensor, ...]
+    layer: int
+    budget: int
+    sliding: int
+
+
+class BudgetLayer(CacheLayerMixin):
+    """One layer's slots: keys/values `[batch, kv_heads, slots, head_dim]`, positions (-1 = empty), accumulated
+    attention. `slots = budget + headroom` for budgeted layers, `= sliding window` for sliding layers."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, *, layer: int, budget: int, slots: int, sliding: int, batch_size: int, kv_heads: int,
+                 head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.layer, self.budget, self.slots, self.sliding = layer, budget, slots, sliding
+        self.is_sliding = bool(sliding)
+        self.dtype, self.device = dtype, device
+        self.batch_size, self.num_heads = batch_size, kv_heads
+        self.keys = torch.zeros(batch_size, kv_heads, slots, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch_size, kv_heads, slots, v_head_dim, dtype=dtype, device=device)
+        self.pos = torch.full((batch_size, kv_heads, slots), -1, dtype=torch.long, device=device)
+        self.state = torch.zeros(batch_size, kv_heads, slots, dtype=torch.float32, device=device)
+        self.seen = torch.zeros((), dtype=torch.long, device=device)  # total tokens seen: RoPE keeps counting
+        self.limit = torch.tensor(budget, dtype=torch.long, device=device)  # slots kept per call
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states):  # allocated eagerly in __init__
+        pass
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        n = key_states.shape[-2]
+        new_pos = torch.arange(n, device=self.device) + self.seen
+        self.seen.add_(n)
+        k, v = torch.ops.fxbudget.candidates(
+            self.keys, self.values, self.pos, self.state, key_states, value_states, new_pos, self.limit,
+            self.layer, self.budget, self.sliding)
+        if not torch.compiler.is_compiling():
+            from .eager import require_interceptor  # eager: the interceptor must be active, or SDPA would be wrong
+
+            require_interceptor()
+            call = MarkerCall((self.keys, self.values, self.pos, self.state, key_states, value_states, new_pos,
+                               self.limit), self.layer, self.budget, self.sliding)
+            k._fxbudget, v._fxbudget = call, call
+        return k, v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The mask transformers builds from this is never used (visibility comes from positions); keep it well-formed.
+        return self.slots + query_length, 0
+
+    def get_seq_length(self) -> Tensor:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return self.slots
+
+    def reset(self) -> None:
+        self.keys.zero_()
+        self.values.zero_()
+        self.pos.fill_(-1)
+        self.state.zero_()
+        self.seen.zero_()
+
+
+def _layer_shapes(config) -> tuple[int, int, int, int, list[str]]:
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n_layers = cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers)
+    if getattr(cfg, "kv_sharing_modes", None) is not None and any(m == "reuse" for m in cfg.kv_sharing_modes):
+        raise NotImplementedError("fxbudget does not support KV-sharing layers yet (config.kv_sharing_modes)")
+    for t in set(types) - {"full_attention", "sliding_attention"}:
+        raise NotImplementedError(f"fxbudget supports full and sliding attention layers, not {t!r} layers")
+    return n_layers, kv_heads, head_dim, heads, types
+
+
+class BudgetCache(Cache):
+    """A transformers `Cache` that keeps at most `budget` KV entries per layer and KV head.
+
+    Full-attention layers hold `budget + headroom` slots and evict down to `budget` on every call that overflows it
+    (the rule decides which). Sliding-window layers (`config.layer_types`) hold exactly their window and are not
+    budgeted.
+
+    Args:
+        config: the model config (a transformers config, or any object with `num_hidden_layers`,
+            `num_attention_heads`, `num_key_value_heads`, `head_dim` or `hidden_size`, optional `layer_types` and
+            `sliding_window`).
+        budget: KV entries kept per full-attention layer and KV head (sinks and windows count against it).
+        batch_size: rows per call; the cache serves only this batch size.
+        dtype, device: of the cached keys/values (default: float32 on CPU); must match the model.
+        headroom: extra slots filled while eviction is frozen (`with cache.frozen(): ...`), e.g. for the question
+            and answer appended after a compressed context (DESIGN §6, query-agnostic protocol).
+    """
+
+    def __init__(self, config, budget: int, batch_size: int = 1, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, headroom: int = 0):
+        for name, val, low in (("budget", budget, 1), ("batch_size", batch_size, 1), ("headroom", headroom, 0)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
+        n_layers, kv_heads, head_dim, heads, types = _layer_shapes(config)
+        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        dtype = dtype or torch.get_default_dtype()
+        device = torch.device(device or "cpu")
+        layers = []
+        for i, t in enumerate(types):
+            sliding = cfg.sliding_window if t == "sliding_attention" else 0
+            layers.append(BudgetLayer(
+                layer=i, budget=sliding or budget, slots=sliding or budget + headroom, sliding=sliding,
+                batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
+                dtype=dtype, device=device))
+        super().__init__(layers=layers)
+        self.budget, self.headroom, self.dtype, self.device = budget, headroom, dtype, device
+        self.signature = (n_layers, kv_heads, head_dim, heads, tuple(types))
+        self._frozen = False
+        self._held = 0  # entries held per budgeted layer, tracked on the Python side to check head-room up front
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].batch_size
+
+    def positions(self, layer_idx: int) -> Tensor:
+        """Original positions held by a layer, `[batch, kv_heads, slots]` (-1 = empty slot)."""
+        return self.layers[layer_idx].pos.clone()
+
+    def get_seq_length(self, layer_idx: int = 0) -> Tensor:
+        """Total tokens seen (a 0-d tensor, so position ids keep growing without recompiles), not slots filled."""
+        return self.layers[layer_idx].seen
+
+    @property
+    def tokens_seen(self) -> int:
+        return int(self.layers[0].seen)
+
+    def kv_bytes(self) -> int:
+        """Bytes held by cached keys and values (all layers)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values))
+
+    @contextlib.contextmanager
+    def frozen(self):
+        """Switch eviction off for the calls inside: new tokens go into the head-room, nothing is evicted."""
+        if self._frozen:
+            raise RuntimeError("BudgetCache.frozen() is not re-entrant")
+        self._frozen = True
+        for layer in self._budgeted():
+            layer.limit.fill_(layer.slots)
+        try:
+            yield self
+        finally:
+            self._frozen = False
+            for layer in self._budgeted():
+                layer.limit.fill_(layer.budget)
+
+    def admit(self, n: int) -> None:
+        """Account for a call of `n` new tokens before it runs; raises if frozen and the head-room is too small."""
+        if self._frozen:
+            if self._held + n > self.budget + self.headroom:
+                raise RuntimeError(
+                    f"eviction is frozen and {n} new tokens do not fit: {self._held} held, budget {self.budget} + "
+                    f"headroom {self.headroom}; build the cache with a larger headroom=")
+            self._held += n
+        else:
+            self._held = min(self._held + n, self.budget)
+
+    def reset(self) -> None:
+        super().reset()
+        for layer in self._budgeted():
+            layer.limit.fill_(layer.budget)
+        self._held, self._frozen = 0, False
+
+    def _budgeted(self):
+        return [layer for layer in self.layers if not layer.sliding]

@@ -1,0 +1,85 @@
+"""The eager path: the same rewrite as the SDPA pass, done at call time.
+
+While `BudgetAttentionMode` is active, the marker's outputs carry their arguments (`MarkerCall`); views and copies of
+them (repeat_kv's expand/reshape, slicing) inherit it; an SDPA call whose key carries it runs `budget_attention`
+instead, exactly as the compiled graph does after the pass. This is the test oracle for the compiled path.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .kernel import budget_attention
+from .rules.base import Rule
+
+_active = threading.local()
+
+# Ops that carry a candidate K/V through unchanged in content (repeat_kv, slicing, dtype/device moves).
+_PASS_THROUGH = {
+    torch.Tensor.__getitem__, torch.Tensor.expand, torch.Tensor.reshape, torch.reshape, torch.Tensor.view,
+    torch.Tensor.contiguous, torch.Tensor.to, torch.Tensor.repeat_interleave, torch.repeat_interleave,
+    torch.Tensor.unsqueeze, torch.unsqueeze,
+}
+
+
+def require_interceptor() -> None:
+    if getattr(_active, "mode", None) is None:
+        raise RuntimeError(
+            "a BudgetCache was used outside fxbudget: call the model returned by fxbudget.compile(...) "
+            "(a plain forward would run SDPA over unordered slots and give wrong results)")
+
+
+class BudgetAttentionMode(TorchFunctionMode):
+    """Replace SDPA over a BudgetCache's candidates with `budget_attention(rule)`, eagerly."""
+
+    def __init__(self, rule: Rule, window: int, sliding_rule: Rule):
+        super().__init__()
+        self.rule, self.window, self.sliding_rule = rule, window, sliding_rule
+
+    def __enter__(self):
+        self._prev = getattr(_active, "mode", None), os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
+        _active.mode = self
+        # transformers packs GQA query heads into the sequence dim for eager decode; keep the query as it is.
+        os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        prev_mode, prev_env = self._prev
+        _active.mode = prev_mode
+        if prev_env is None:
+            os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA", None)
+        else:
+            os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = prev_env
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            key = args[1] if len(args) > 1 else kwargs["key"]
+            call = getattr(key, "_fxbudget", None)
+            if call is not None:
+                query = args[0] if args else kwargs["query"]
+                return run_kernel(query, call, kwargs.get("scale"), self)
+        out = func(*args, **kwargs)
+        if func in _PASS_THROUGH and isinstance(out, torch.Tensor) and args:
+            call = getattr(args[0], "_fxbudget", None)
+            if call is not None:
+                out._fxbudget = call
+        return out
+
+
+def run_kernel(query, call, scale, cfg: BudgetAttentionMode):
+    """`budget_attention` for one marker call, with the rule the layer uses (sliding layers keep their window)."""
+    n = call.tensors[4].shape[2]
+    if query.dim() != 4 or query.shape[2] != n or query.shape[1] % call.tensors[0].shape[1]:
+        raise RuntimeError(
+            f"SDPA query of shape {tuple(query.shape)} does not match layer {call.layer}'s cache call "
+            f"(n={n}, kv_heads={call.tensors[0].shape[1]}); expected [batch, q_heads, n, head_dim]")
+    rule = cfg.sliding_rule if call.sliding else cfg.rule
+    return budget_attention(query, *call.tensors, rule=rule, budget=call.budget, sliding=call.sliding,
+                            window=cfg.window, scale=scale)

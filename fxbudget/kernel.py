@@ -1,0 +1,157 @@
+"""The shared budget-attention kernel: the fairness contract (DESIGN §4).
+
+Every rule runs exactly this code; only `rule_region` (the rule's `score` and `protect`) differs. The kernel is split
+in three phases so that the SDPA pass can splice each one into the traced graph and mark the rule's ops as a region
+(that is what `kernel_fingerprint` abstracts away). The eager path calls the same three functions in the same order.
+
+One call, per batch row and KV head, with `S` slots and `n` new tokens (`C = S + n` candidates):
+1. `measure`: exact softmax attention of the call's queries over the visible candidates (valid slots and new tokens at
+   positions <= the query's; within `sliding` for sliding-window layers). Query heads are grouped per KV head, K/V are
+   never copied per query head. Then every signal, for every candidate, whatever the rule.
+2. `rule_region`: `score = rule.score(signals)`, `protect = rule.protect(signals)`.
+3. `evict`: protected candidates score +inf, empty ones -inf; the top `limit` are kept (ties: newer position wins);
+   surviving new tokens are written into freed slots only (a decode step writes one row per head, not the cache);
+   positions and the carried state (accumulated attention) are updated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .rules.base import Rule, Signals
+
+DEFAULT_WINDOW = 32  # observation window shared by all rules of a run (snapkv's paper default)
+
+# Names of the tensors `measure` returns after the attention output, in order: the `Signals` tensor fields.
+SIGNAL_NAMES = (
+    "attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "order", "keys", "queries", "step",
+)
+
+
+def measure(
+    q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, *, window: int, sliding: int, scale: float | None,
+) -> tuple[Tensor, ...]:
+    """Attention output `[batch, q_heads, n, head_dim]` followed by the signal tensors (`SIGNAL_NAMES`)."""
+    b, h, S, d = k_slots.shape
+    n = k_new.shape[2]
+    hq = q.shape[1]
+    g = hq // h
+    C = S + n
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+
+    keys = torch.cat([k_slots, k_new], dim=2)
+    values = torch.cat([v_slots, v_new], dim=2)
+    pos = torch.cat([pos_slots, new_pos.view(1, 1, n).expand(b, h, n)], dim=2)
+    # Query head j*h_group.. of KV head i: rows (group member, query) of one matrix per KV head.
+    queries = q.reshape(b, h, g * n, q.shape[-1])
+    qpos = new_pos.repeat(g).view(1, 1, g * n, 1)
+
+    cand = pos.unsqueeze(2)
+    visible = (cand >= 0) & (cand <= qpos)
+    if sliding:
+        visible = visible & (cand > qpos - sliding)
+    logits = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale
+    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    # A row with nothing visible would be NaN; it attends to nothing instead.
+    probs = probs.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
+    out = torch.matmul(probs.to(values.dtype), values).view(b, h, g, n, -1).reshape(b, hq, n, -1)
+
+    per_query = probs.view(b, h, g, n, C)
+    w = min(window, n)
+    attn = per_query.sum(dim=(2, 3))
+    window_attn = per_query[:, :, :, n - w:].sum(dim=(2, 3))
+    last_attn = per_query[:, :, :, n - 1].sum(dim=2)
+    acc_attn = torch.cat([state, state.new_zeros(b, h, n)], dim=2) + attn
+    key_norm = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
+    value_norm = torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
+    order = torch.argsort(pos, dim=-1, stable=True)
+    step = new_pos[-1] + 1
+    return out, attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, order, keys, queries, step
+
+
+def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> tuple[Tensor, Tensor]:
+    """The only rule-specific ops: `(score, protect)` for every candidate. `window` is already clamped to `n`."""
+    s = Signals(*signals, budget=budget, window=window)
+    score = rule.score(s).float()
+    protect = rule.protect(s)
+    if protect is None:
+        protect = torch.zeros_like(s.pos, dtype=torch.bool)
+    return score, protect
+
+
+def evict(
+    score: Tensor, protect: Tensor, pos: Tensor, acc_attn: Tensor,
+    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, k_new: Tensor, v_new: Tensor, limit: Tensor,
+) -> None:
+    """Keep the top `limit` candidates and write the surviving new tokens into freed slots, in place."""
+    b, h, S, d = k_slots.shape
+    n = k_new.shape[2]
+    C = S + n
+    dev = pos.device
+    valid = pos >= 0
+    score = score.masked_fill(protect, float("inf")).masked_fill(~valid, float("-inf"))
+
+    # Rank by score; a stable sort over newest-first order makes the newer position win ties.
+    newest_first = torch.argsort(pos, dim=-1, descending=True, stable=True)
+    ranked = torch.sort(score.gather(-1, newest_first), dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(ranked).scatter(
+        -1, newest_first.gather(-1, ranked), torch.arange(C, device=dev).expand(b, h, C))
+    keep = (rank < limit) & valid
+    slot_keep, new_keep = keep[..., :S], keep[..., S:]
+
+    # Pair freed slots (lowest index first) with kept new tokens (in order); only t = min(n, S) rows are touched.
+    t = min(n, S)
+    dst = torch.argsort(slot_keep.to(torch.int8), dim=-1, stable=True)[..., :t]
+    src = torch.argsort((~new_keep).to(torch.int8), dim=-1, stable=True)[..., :t]
+    write = torch.arange(t, device=dev) < new_keep.sum(dim=-1, keepdim=True)
+    bi = torch.arange(b, device=dev).view(b, 1, 1)
+    hi = torch.arange(h, device=dev).view(1, h, 1)
+
+    def put(slots: Tensor, new: Tensor) -> None:
+        # Rows past the kept count write a slot's own value back: fixed shapes, no effect.
+        rows = torch.where(write.unsqueeze(-1), new[bi, hi, src], slots[bi, hi, dst])
+        slots.index_put_((bi, hi, dst), rows)
+
+    put(k_slots, k_new)
+    put(v_slots, v_new)
+
+    def refill(old: Tensor, cand: Tensor, empty: float | int) -> Tensor:
+        kept = old.masked_fill(~slot_keep, empty)
+        return kept.scatter(-1, dst, torch.where(write, cand[..., S:].gather(-1, src), kept.gather(-1, dst)))
+
+    pos_slots.copy_(refill(pos_slots, pos, -1))
+    state.copy_(refill(acc_attn[..., :S], acc_attn, 0.0))
+
+
+def budget_attention(
+    q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, limit: Tensor, *,
+    rule: Rule, budget: int, sliding: int = 0, window: int = DEFAULT_WINDOW, scale: float | None = None,
+) -> Tensor:
+    """Budget-aware attention for one layer and one call; updates the slot tensors in place.
+
+    Args:
+        q: queries `[batch, q_heads, n, head_dim]` (post-RoPE), as given to SDPA.
+        k_slots, v_slots: cached keys/values `[batch, kv_heads, S, head_dim]` (post-RoPE); written in place.
+        pos_slots: original positions `[batch, kv_heads, S]`, -1 = empty; written in place.
+        state: accumulated attention mass `[batch, kv_heads, S]` (float32); written in place.
+        k_new, v_new: this call's keys/values `[batch, kv_heads, n, head_dim]`.
+        new_pos: positions of the new tokens `[n]` (the same for every row: no padding).
+        limit: 0-d long tensor, how many candidates to keep (the budget; all slots while eviction is frozen).
+        rule: the scoring rule. budget: the layer's budget, for rules (static).
+        sliding: sliding-window size for sliding layers, 0 for full attention.
+        window: observation window for `window_attn`. scale: softmax scale (None = 1/sqrt(head_dim)).
+
+    Returns:
+        The attention output `[batch, q_heads, n, head_dim]`, exact over the visible candidates.
+    """
+    out, *signals = measure(q, k_slots, v_slots, pos_slots, state, k_new, v_new, new_pos,
+                            window=window, sliding=sliding, scale=scale)
+    score, protect = rule_region(rule, budget, min(window, k_new.shape[2]), *signals)
+    sig = dict(zip(SIGNAL_NAMES, signals))
+    evict(score, protect, sig["pos"], sig["acc_attn"], k_slots, v_slots, pos_slots, state, k_new, v_new, limit)
+    return out

@@ -1,0 +1,91 @@
+"""The rule interface: what the shared kernel measures (`Signals`) and what a rule returns.
+
+A rule is a pure scoring function of the signals. It never touches the cache and never adds a code path to the
+kernel: the kernel computes every signal for every candidate in every call, whatever the rule (DESIGN §4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Signals:
+    """Per-candidate measurements of one attention call, for one layer.
+
+    Candidates are the cache slots followed by the call's new tokens (`C = slots + n`). Shapes: `[batch, kv_heads, C]`
+    unless stated. Empty slots have `pos == -1`; their signals are meaningless and are overridden by the kernel.
+
+    Attributes:
+        attn: attention mass received from all of this call's queries, summed over the query heads of the KV group.
+        window_attn: the same, from the last `window` queries of the call only (the observation window).
+        last_attn: the same, from the last query of the call only.
+        acc_attn: attention mass accumulated over every query so far, this call included (the carried state).
+        key_norm: L2 norm of each candidate key (post-RoPE, as cached).
+        value_norm: L2 norm of each candidate value.
+        pos: original position of each candidate (`-1` = empty slot).
+        order: candidate indices sorted by position, oldest first, empty slots first: `x.gather(-1, order)` puts a
+            signal in sequence order (for pooling over neighbours, since slots are unordered).
+        keys: candidate keys `[batch, kv_heads, C, head_dim]`.
+        queries: this call's queries grouped per KV head, `[batch, kv_heads, group * n, head_dim]`.
+        step: total tokens seen after this call (a 0-d long tensor).
+        budget: the number of slots the layer keeps (a Python int, fixed at compile time).
+        window: the observation window used for `window_attn` (a Python int, <= n).
+    """
+
+    attn: Tensor
+    window_attn: Tensor
+    last_attn: Tensor
+    acc_attn: Tensor
+    key_norm: Tensor
+    value_norm: Tensor
+    pos: Tensor
+    order: Tensor
+    keys: Tensor
+    queries: Tensor
+    step: Tensor
+    budget: int
+    window: int
+
+    def in_sequence_order(self, x: Tensor) -> Tensor:
+        """`x` ([..., C]) reordered oldest-first; undo with `from_sequence_order`."""
+        return x.gather(-1, self.order)
+
+    def from_sequence_order(self, x: Tensor) -> Tensor:
+        """Inverse of `in_sequence_order`."""
+        return torch.empty_like(x).scatter(-1, self.order, x)
+
+
+class Rule:
+    """Base class of eviction rules. Subclasses are dataclasses whose fields are the hyperparameters.
+
+    Override `score` (higher = keep) and, if the rule protects tokens unconditionally (sinks, a recent window),
+    `protect`. `window` is the observation window the rule wants from the kernel (None = the kernel default); a run
+    compares rules only at one window (DESIGN §4).
+    """
+
+    name: ClassVar[str] = ""
+    window: int | None = None
+
+    def score(self, s: Signals) -> Tensor:
+        raise NotImplementedError
+
+    def protect(self, s: Signals) -> Tensor | None:
+        return None
+
+    def params(self) -> dict:
+        """Hyperparameters, for result rows and error messages."""
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+    def __str__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{self.name}({inner})"
+
+
+def recent(s: Signals, n_recent: int) -> Tensor:
+    """Mask of the `n_recent` most recent positions seen so far (shared by rules that keep a recent window)."""
+    return s.pos >= s.step - n_recent
