@@ -99,13 +99,15 @@ class BudgetForward:
         self.chunk_size, self.backend, self.headroom = chunk_size, backend, headroom
         self.window = kernel_window(rule)
         self.original = model.forward
+        self.graphs: list[fx.GraphModule] = []  # rewritten graphs compiled so far (one per input shape)
         self._verified = False
         if backend is None:
             self._run = self._run_eager
         else:
             _raise_recompile_limit()
-            self._compiled = torch.compile(self.original, backend=make_backend(rule, inner=backend),
-                                           fullgraph=True, dynamic=False)
+            self._compiled = torch.compile(
+                self.original, backend=make_backend(rule, inner=backend, on_graph=self.graphs.append),
+                fullgraph=True, dynamic=False)
             self._run = self._compiled
 
     def _run_eager(self, *args, **kwargs):
@@ -119,6 +121,8 @@ class BudgetForward:
 
     def new_cache(self, batch_size: int = 1, *, headroom: int | None = None) -> BudgetCache:
         """A fresh `BudgetCache` for this model (its dtype and device)."""
+        if getattr(self.model, "config", None) is None:
+            raise ValueError("this model has no .config: pass past_key_values=fxbudget.BudgetCache(config, budget)")
         p = next(self.model.parameters())
         return BudgetCache(self.model.config, self.budget, batch_size, dtype=p.dtype, device=p.device,
                            headroom=self.headroom if headroom is None else headroom)
@@ -199,6 +203,8 @@ def _captured_graphs(model, input_ids, rule, budget, cache, rule_params) -> list
     fwd = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
     backend = make_backend(rule, inner="eager", on_graph=graphs.append, **rule_params)
     if cache is None:
+        if getattr(model, "config", None) is None:
+            raise ValueError("this model has no .config: pass cache=fxbudget.BudgetCache(config, budget)")
         p = next(model.parameters())
         cache = BudgetCache(model.config, budget, input_ids.shape[0], dtype=p.dtype, device=p.device)
     with torch.no_grad():

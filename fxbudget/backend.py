@@ -57,7 +57,9 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
             return aot_eager(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs)
+        # Locality reordering would move the attention-output matmul after the slot write-back, which then cannot
+        # be done in place (a full copy of the K/V cache per call); the kernel's own op order is already good.
+        return compile_fx(gm, example_inputs, config_patches={"reorder_for_locality": False})
 
     fxbudget_backend.rule, fxbudget_backend.window = rule, window
     return fxbudget_backend

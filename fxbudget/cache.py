@@ -15,10 +15,12 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .kernel import TOTALED
+
 
 @torch.library.custom_op("fxbudget::candidates", mutates_args=())
 def candidates(
-    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, k_new: Tensor, v_new: Tensor,
+    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, totals: Tensor, k_new: Tensor, v_new: Tensor,
     new_pos: Tensor, limit: Tensor, layer: int, budget: int, sliding: int,
 ) -> tuple[Tensor, Tensor]:
     """Marker: the candidate keys/values (slots then new tokens), as a plain cache would hand them to SDPA."""
@@ -26,12 +28,12 @@ def candidates(
 
 
 @candidates.register_fake
-def _(k_slots, v_slots, pos_slots, state, k_new, v_new, new_pos, limit, layer, budget, sliding):
+def _(k_slots, v_slots, pos_slots, state, totals, k_new, v_new, new_pos, limit, layer, budget, sliding):
     return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
 
 
 # Positional argument names of the marker, shared by the pass and the eager interceptor.
-MARKER_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "k_new", "v_new", "new_pos", "limit")
+MARKER_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "totals", "k_new", "v_new", "new_pos", "limit")
 
 
 @dataclass
@@ -62,6 +64,8 @@ class BudgetLayer(CacheLayerMixin):
         self.values = torch.zeros(batch_size, kv_heads, slots, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch_size, kv_heads, slots), -1, dtype=torch.long, device=device)
         self.state = torch.zeros(batch_size, kv_heads, slots, dtype=torch.float32, device=device)
+        # Per-call totals of each kernel signal (kernel.TOTALED): diagnostics, and what keeps every signal live.
+        self.totals = torch.zeros(batch_size, kv_heads, len(TOTALED), dtype=torch.float32, device=device)
         self.seen = torch.zeros((), dtype=torch.long, device=device)  # total tokens seen: RoPE keeps counting
         self.limit = torch.tensor(budget, dtype=torch.long, device=device)  # slots kept per call
         self.is_initialized = True
@@ -74,14 +78,14 @@ class BudgetLayer(CacheLayerMixin):
         new_pos = torch.arange(n, device=self.device) + self.seen
         self.seen.add_(n)
         k, v = torch.ops.fxbudget.candidates(
-            self.keys, self.values, self.pos, self.state, key_states, value_states, new_pos, self.limit,
+            self.keys, self.values, self.pos, self.state, self.totals, key_states, value_states, new_pos, self.limit,
             self.layer, self.budget, self.sliding)
         if not torch.compiler.is_compiling():
             from .eager import require_interceptor  # eager: the interceptor must be active, or SDPA would be wrong
 
             require_interceptor()
-            call = MarkerCall((self.keys, self.values, self.pos, self.state, key_states, value_states, new_pos,
-                               self.limit), self.layer, self.budget, self.sliding)
+            call = MarkerCall((self.keys, self.values, self.pos, self.state, self.totals, key_states, value_states,
+                               new_pos, self.limit), self.layer, self.budget, self.sliding)
             k._fxbudget, v._fxbudget = call, call
         return k, v
 
@@ -100,6 +104,7 @@ class BudgetLayer(CacheLayerMixin):
         self.values.zero_()
         self.pos.fill_(-1)
         self.state.zero_()
+        self.totals.zero_()
         self.seen.zero_()
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .cache import MARKER_TENSORS
 from .kernel import budget_attention
 from .rules.base import Rule
 
@@ -75,7 +76,7 @@ class BudgetAttentionMode(TorchFunctionMode):
 
 def run_kernel(query, call, scale, cfg: BudgetAttentionMode):
     """`budget_attention` for one marker call, with the rule the layer uses (sliding layers keep their window)."""
-    n = call.tensors[4].shape[2]
+    n = call.tensors[MARKER_TENSORS.index("k_new")].shape[2]
     if query.dim() != 4 or query.shape[2] != n or query.shape[1] % call.tensors[0].shape[1]:
         raise RuntimeError(
             f"SDPA query of shape {tuple(query.shape)} does not match layer {call.layer}'s cache call "

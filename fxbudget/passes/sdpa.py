@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from .. import cache as _cache  # noqa: F401  (registers the marker op)
+from ..cache import MARKER_TENSORS  # importing cache also registers the marker op
 from ..kernel import SIGNAL_NAMES, evict, measure, rule_region
 from ..rules.base import Rule
 
@@ -108,28 +108,30 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule) -> 
         if args.get("dropout_p", 0.0):
             raise RuntimeError("fxbudget: SDPA with dropout (training mode?) cannot use a budget cache; call .eval()")
         *tensor_args, layer, budget, sliding = marker.args
+        m = dict(zip(MARKER_TENSORS, tensor_args))
         layer_rule = sliding_rule if sliding else rule
-        inputs = [args["query"], *tensor_args[:7]]  # limit is only needed by evict
         mode = FakeTensorMode()
-        fakes = [_fake_like(mode, a) for a in [*inputs, tensor_args[7]]]
-        n_new = fakes[5].shape[2]
-        w = min(window, n_new)
+        fake = {name: _fake_like(mode, node_) for name, node_ in m.items()}
+        fake["q"] = _fake_like(mode, args["query"])
+        measure_args = ("q", "k_slots", "v_slots", "pos_slots", "state", "k_new", "v_new", "new_pos")
+        evict_args = ("k_slots", "v_slots", "pos_slots", "state", "totals", "k_new", "v_new", "limit")
+        graph_in = {**m, "q": args["query"]}
+        w = min(window, fake["k_new"].shape[2])
+        phase1 = functools.partial(measure, window=window, sliding=sliding, scale=args.get("scale"))
+        phase2 = functools.partial(rule_region, layer_rule, budget, w)
 
-        phase1 = _trace(functools.partial(measure, window=window, sliding=sliding, scale=args.get("scale")),
-                        fakes[:8], mode)
-        out, *signals = _splice(gm, phase1, inputs, node, "measure")
+        # Trace each phase on fake tensors, splice it before the SDPA node, feed its outputs to the next phase.
         with mode:
-            fake_signals = measure(*fakes[:8], window=window, sliding=sliding, scale=args.get("scale"))[1:]
-        phase2 = _trace(functools.partial(rule_region, layer_rule, budget, w), fake_signals, mode)
-        score, protect = _splice(gm, phase2, signals, node, "rule")
-        sig = dict(zip(SIGNAL_NAMES, signals))
-        fsig = dict(zip(SIGNAL_NAMES, fake_signals))
-        with mode:
-            fscore, fprotect = rule_region(layer_rule, budget, w, *fake_signals)
-        # k_slots, v_slots, pos_slots, state, k_new, v_new, limit
-        slot_inputs = [*tensor_args[:6], tensor_args[7]]
-        phase3 = _trace(evict, [fscore, fprotect, fsig["pos"], fsig["acc_attn"], *fakes[1:7], fakes[8]], mode)
-        _splice(gm, phase3, [score, protect, sig["pos"], sig["acc_attn"], *slot_inputs], node, "evict")
+            f_out, f_totals, *f_signals = phase1(*[fake[a] for a in measure_args])
+            f_score = phase2(*f_signals)
+        out, totals, *signals = _splice(gm, _trace(phase1, [fake[a] for a in measure_args], mode),
+                                        [graph_in[a] for a in measure_args], node, "measure")
+        score = _splice(gm, _trace(phase2, f_signals, mode), signals, node, "rule")
+        sig, f_sig = dict(zip(SIGNAL_NAMES, signals)), dict(zip(SIGNAL_NAMES, f_signals))
+        _splice(gm, _trace(evict, [f_score, f_sig["pos"], f_sig["acc_attn"], f_totals,
+                                   *[fake[a] for a in evict_args]], mode),
+                [score, sig["pos"], sig["acc_attn"], totals, *[graph_in[a] for a in evict_args]],
+                node, "evict")
 
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)

@@ -30,9 +30,9 @@ class Signals:
         pos: original position of each candidate (`-1` = empty slot).
         order: candidate indices sorted by position, oldest first, empty slots first: `x.gather(-1, order)` puts a
             signal in sequence order (for pooling over neighbours, since slots are unordered).
-        keys: candidate keys `[batch, kv_heads, C, head_dim]`.
         queries: this call's queries grouped per KV head, `[batch, kv_heads, group * n, head_dim]`.
-        step: total tokens seen after this call (a 0-d long tensor).
+        k_slots, k_new: cached keys `[batch, kv_heads, S, head_dim]` and this call's keys (`keys` joins them).
+        new_pos: positions of this call's tokens `[n]`; `step` is the total seen after the call.
         budget: the number of slots the layer keeps (a Python int, fixed at compile time).
         window: the observation window used for `window_attn` (a Python int, <= n).
     """
@@ -45,11 +45,22 @@ class Signals:
     value_norm: Tensor
     pos: Tensor
     order: Tensor
-    keys: Tensor
     queries: Tensor
-    step: Tensor
+    k_slots: Tensor
+    k_new: Tensor
+    new_pos: Tensor
     budget: int
     window: int
+
+    @property
+    def step(self) -> Tensor:
+        """Total tokens seen after this call (0-d long tensor): the newest position + 1."""
+        return self.new_pos[-1] + 1
+
+    @property
+    def keys(self) -> Tensor:
+        """Candidate keys `[batch, kv_heads, C, head_dim]` (a copy: only rules that read keys pay for it)."""
+        return torch.cat([self.k_slots, self.k_new], dim=2)
 
     def in_sequence_order(self, x: Tensor) -> Tensor:
         """`x` ([..., C]) reordered oldest-first; undo with `from_sequence_order`."""

@@ -1,0 +1,140 @@
+"""The kernel against an independent float64 reference: a per-token, per-head simulation of a budgeted cache.
+
+The reference keeps a Python list of (position, key, value, accumulated attention) per batch row and KV head, attends
+query by query with explicit softmax over the visible entries, scores with each paper's formula written directly, and
+keeps the best `budget` entries (protected first, then score; ties go to the newer position).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxbudget import rules
+from fxbudget.kernel import TOTALED, budget_attention
+
+RULES = ["window", "streamingllm", "knorm", "h2o", "snapkv"]
+
+
+def ref_score(rule: str, entries, window_mass, budget, step, window):
+    """(protected, score) per entry, from the papers' formulas."""
+    out = []
+    order = sorted(range(len(entries)), key=lambda i: entries[i]["pos"])
+    pooled = {}
+    if rule == "snapkv":  # max-pool (kernel 7) of observation-window attention along the sequence
+        seq = [window_mass[i] for i in order]
+        for j, i in enumerate(order):
+            pooled[i] = max(seq[max(0, j - 3): j + 4])
+    for i, e in enumerate(entries):
+        p = e["pos"]
+        if rule == "window":
+            out.append((False, float(p)))
+        elif rule == "streamingllm":
+            out.append((p < 4, float(p)))
+        elif rule == "knorm":
+            out.append((False, -e["k"].norm().item()))
+        elif rule == "h2o":
+            out.append((p >= step - budget // 2, e["acc"]))
+        elif rule == "snapkv":
+            out.append((p >= step - window, pooled[i]))
+    return out
+
+
+def ref_call(entries, q, k_new, v_new, pos0, rule, budget, scale, window):
+    """One call for one (row, KV head): q `[g, n, d]`; returns (output `[g, n, d]`, surviving entries)."""
+    g, n, _ = q.shape
+    cands = entries + [{"pos": pos0 + i, "k": k_new[i], "v": v_new[i], "acc": 0.0} for i in range(n)]
+    out = torch.zeros(g, n, v_new.shape[-1], dtype=torch.float64)
+    mass = [0.0] * len(cands)
+    wmass = [0.0] * len(cands)
+    for j in range(g):
+        for i in range(n):
+            vis = [c for c, e in enumerate(cands) if e["pos"] <= pos0 + i]
+            logits = torch.stack([q[j, i] @ cands[c]["k"] * scale for c in vis])
+            p = torch.softmax(logits, 0)
+            out[j, i] = sum(p[t] * cands[c]["v"] for t, c in enumerate(vis))
+            for t, c in enumerate(vis):
+                mass[c] += p[t].item()
+                if i >= n - min(window, n):
+                    wmass[c] += p[t].item()
+    for c, e in enumerate(cands):
+        e["acc"] = e["acc"] + mass[c]
+    step = pos0 + n
+    scored = ref_score(rule, cands, wmass, budget, step, min(window, n))
+    # Protected entries outrank all others and, among themselves, the newer wins (their score is +inf).
+    key = {c: (math.inf if prot else score, cands[c]["pos"]) for c, (prot, score) in enumerate(scored)}
+    ranked = sorted(range(len(cands)), key=key.__getitem__, reverse=True)
+    return out, [cands[c] for c in ranked[:budget]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rule=st.sampled_from(RULES),
+    batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.integers(1, 3), head_dim=st.sampled_from([4, 8]),
+    budget=st.integers(1, 10), calls=st.lists(st.integers(1, 9), min_size=1, max_size=4), seed=st.integers(0, 2**16),
+)
+def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim, budget, calls, seed):
+    gen = torch.Generator().manual_seed(seed)
+    b, h, g, d = batch, kv_heads, group, head_dim
+    f64 = dict(dtype=torch.float64)
+    k_slots, v_slots = torch.zeros(b, h, budget, d, **f64), torch.zeros(b, h, budget, d, **f64)
+    pos_slots = torch.full((b, h, budget), -1, dtype=torch.long)
+    state = torch.zeros(b, h, budget, **f64)
+    totals = torch.zeros(b, h, len(TOTALED), **f64)
+    limit = torch.tensor(budget)
+    rule_obj = rules.get(rule)
+    window = 4  # small observation window so chunks are longer than it
+    scale = 1 / math.sqrt(d)
+    ref = [[[] for _ in range(h)] for _ in range(b)]
+    pos0 = 0
+    for n in calls:
+        q = torch.randn(b, h * g, n, d, generator=gen, **f64)
+        k_new = torch.randn(b, h, n, d, generator=gen, **f64)
+        v_new = torch.randn(b, h, n, d, generator=gen, **f64)
+        new_pos = torch.arange(pos0, pos0 + n)
+        out = budget_attention(q, k_slots, v_slots, pos_slots, state, totals, k_new, v_new, new_pos, limit,
+                               rule=rule_obj, budget=budget, window=window)
+        for bi in range(b):
+            for hi in range(h):
+                qh = q[bi, hi * g:(hi + 1) * g]
+                ref_out, ref[bi][hi] = ref_call(ref[bi][hi], qh, k_new[bi, hi], v_new[bi, hi], pos0, rule, budget,
+                                                scale, window)
+                torch.testing.assert_close(out[bi, hi * g:(hi + 1) * g], ref_out, rtol=1e-9, atol=1e-9)
+                # The stored total of attention mass: every query distributes exactly 1.
+                assert abs(totals[bi, hi, 0].item() - g * n) < 1e-9
+                kept = {e["pos"]: e for e in ref[bi][hi]}
+                got = {p: s for s, p in enumerate(pos_slots[bi, hi].tolist()) if p >= 0}
+                assert sorted(got) == sorted(kept), f"call n={n}: kernel kept {sorted(got)}, reference {sorted(kept)}"
+                for p, s in got.items():  # the slot holds that token's key, value and accumulated attention
+                    torch.testing.assert_close(k_slots[bi, hi, s], kept[p]["k"])
+                    torch.testing.assert_close(v_slots[bi, hi, s], kept[p]["v"])
+                    assert abs(state[bi, hi, s].item() - kept[p]["acc"]) < 1e-9
+        pos0 += n
+
+
+def test_no_visible_candidate_gives_zeros_not_nan():
+    b, h, d = 1, 1, 4
+    z = torch.zeros(b, h, 3, d)
+    out = budget_attention(torch.randn(b, h, 1, d), z, z, torch.full((b, h, 3), -1), torch.zeros(b, h, 3),
+                           torch.zeros(b, h, len(TOTALED)), torch.randn(b, h, 1, d), torch.randn(b, h, 1, d), torch.tensor([-1]), torch.tensor(3),
+                           rule=rules.get("h2o"), budget=3)
+    assert not out.isnan().any() and torch.equal(out, torch.zeros_like(out))
+
+
+def test_decode_writes_one_row_per_head():
+    # Write-back touches only the freed slot: every other slot's key/value is bit-for-bit unchanged.
+    torch.manual_seed(0)
+    b, h, S, d = 2, 2, 16, 8
+    k_slots, v_slots = torch.randn(b, h, S, d), torch.randn(b, h, S, d)
+    pos = torch.arange(S).expand(b, h, S).clone()
+    state = torch.rand(b, h, S)
+    k0, v0, p0 = k_slots.clone(), v_slots.clone(), pos.clone()
+    budget_attention(torch.randn(b, h * 2, 1, d), k_slots, v_slots, pos, state, torch.zeros(b, h, len(TOTALED)),
+                     torch.randn(b, h, 1, d),
+                     torch.randn(b, h, 1, d), torch.tensor([S]), torch.tensor(S), rule=rules.get("knorm"), budget=S)
+    changed = (k_slots != k0).any(-1) | (v_slots != v0).any(-1)
+    assert changed.sum(-1).le(1).all()
+    assert torch.equal(changed, pos != p0)
