@@ -99,6 +99,7 @@ class BudgetForward:
         self.chunk_size, self.backend, self.headroom = chunk_size, backend, headroom
         self.window = kernel_window(rule)
         self.original = model.forward
+        self._instance_forward = vars(model).get("forward")  # usually None: forward comes from the class
         self.graphs: list[fx.GraphModule] = []  # rewritten graphs compiled so far (one per input shape)
         self._verified = False
         if backend is None:
@@ -111,12 +112,20 @@ class BudgetForward:
             self._run = self._compiled
 
     def _run_eager(self, *args, **kwargs):
-        with BudgetAttentionMode(self.rule, self.window, get("window")):
-            return self.original(*args, **kwargs)
+        with BudgetAttentionMode(self.rule, self.window, get("window")) as mode:
+            out = self.original(*args, **kwargs)
+        if mode.pending:  # the same failure the graph pass reports when it finds no SDPA to rewrite
+            raise NoBudgetAttentionError(
+                f"keys/values of BudgetCache layers {sorted(set(mode.pending.values()))} never reached "
+                "scaled_dot_product_attention; fxbudget can only budget attention computed by SDPA")
+        return out
 
     def restore(self) -> nn.Module:
         """Put the original forward back; returns the model."""
-        self.model.forward = self.original
+        if self._instance_forward is None:
+            del self.model.forward
+        else:
+            self.model.forward = self._instance_forward
         return self.model
 
     def new_cache(self, batch_size: int = 1, *, headroom: int | None = None) -> BudgetCache:

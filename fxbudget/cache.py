@@ -50,7 +50,9 @@ class BudgetLayer(CacheLayerMixin):
     """One layer's slots: keys/values `[batch, kv_heads, slots, head_dim]`, positions (-1 = empty), accumulated
     attention. `slots = budget + headroom` for budgeted layers, `= sliding window` for sliding layers."""
 
-    is_compileable = True
+    # Fixed shapes, so it does compile; False keeps generate() from building 4-D masks we never use (and from
+    # hiding the 2-D padding mask that BudgetForward checks) and from compiling the forward a second time.
+    is_compileable = False
     is_sliding = False
 
     def __init__(self, *, layer: int, budget: int, slots: int, sliding: int, batch_size: int, kv_heads: int,
@@ -83,10 +85,11 @@ class BudgetLayer(CacheLayerMixin):
         if not torch.compiler.is_compiling():
             from .eager import require_interceptor  # eager: the interceptor must be active, or SDPA would be wrong
 
-            require_interceptor()
+            mode = require_interceptor()
             call = MarkerCall((self.keys, self.values, self.pos, self.state, self.totals, key_states, value_states,
                                new_pos, self.limit), self.layer, self.budget, self.sliding)
             k._fxbudget, v._fxbudget = call, call
+            mode.pending[id(call)] = self.layer
         return k, v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -28,11 +28,13 @@ _PASS_THROUGH = {
 }
 
 
-def require_interceptor() -> None:
-    if getattr(_active, "mode", None) is None:
+def require_interceptor() -> "BudgetAttentionMode":
+    mode = getattr(_active, "mode", None)
+    if mode is None:
         raise RuntimeError(
             "a BudgetCache was used outside fxbudget: call the model returned by fxbudget.compile(...) "
             "(a plain forward would run SDPA over unordered slots and give wrong results)")
+    return mode
 
 
 class BudgetAttentionMode(TorchFunctionMode):
@@ -41,6 +43,7 @@ class BudgetAttentionMode(TorchFunctionMode):
     def __init__(self, rule: Rule, window: int, sliding_rule: Rule):
         super().__init__()
         self.rule, self.window, self.sliding_rule = rule, window, sliding_rule
+        self.pending: dict[int, int] = {}  # marker calls not (yet) consumed by an SDPA call: id -> layer
 
     def __enter__(self):
         self._prev = getattr(_active, "mode", None), os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
@@ -81,6 +84,7 @@ def run_kernel(query, call, scale, cfg: BudgetAttentionMode):
         raise RuntimeError(
             f"SDPA query of shape {tuple(query.shape)} does not match layer {call.layer}'s cache call "
             f"(n={n}, kv_heads={call.tensors[0].shape[1]}); expected [batch, q_heads, n, head_dim]")
+    cfg.pending.pop(id(call), None)
     rule = cfg.sliding_rule if call.sliding else cfg.rule
     return budget_attention(query, *call.tensors, rule=rule, budget=call.budget, sliding=call.sliding,
                             window=cfg.window, scale=scale)
