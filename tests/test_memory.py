@@ -52,3 +52,41 @@ def test_chunked_prefill_memory_does_not_grow():
     assert _largest_value(long) <= bound
     # Without chunks the attention of a 256-token prefill is quadratic: the measure would see it.
     assert _largest_value(run(256, None)) >= heads * 256 * 256
+
+
+class _AttentionLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.o = torch.nn.Linear(16, 16)
+
+    def forward(self, q, k, v, past_key_values):
+        keys, values = past_key_values.update(k, v, 0)
+        y = torch.nn.functional.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(1, -1, 16))
+
+
+@pytest.mark.inductor
+def test_compiled_decode_does_not_rewrite_the_cache():
+    # 41 slots x head dim 8 = 328 elements per K/V buffer. Before the fix (Inductor's locality reordering blocked the
+    # in-place write-back) the generated code copied each buffer whole every step: loops over 328 elements.
+    from types import SimpleNamespace
+
+    from torch._inductor.utils import run_and_get_code
+
+    from fxbudget.backend import make_backend
+
+    cfg = SimpleNamespace(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8, hidden_size=16)
+    cache = fxbudget.BudgetCache(cfg, 41)
+    cache.layers[0].pos.copy_(torch.arange(41))
+    cache.layers[0].seen.fill_(41)
+    keys_before = cache.layers[0].keys.clone()
+    layer = torch.compile(_AttentionLayer(), backend=make_backend("knorm"), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        _, code = run_and_get_code(layer, torch.randn(1, 2, 1, 8), torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8),
+                                   cache)
+    source = "\n".join(code)
+    assert "index_put" in source
+    assert "328L" not in source, "the decode step copies a whole K/V buffer"
+    # And it did evict: one slot now holds position 41 (or the new token was the one dropped).
+    changed = (cache.layers[0].keys != keys_before).any(-1).sum().item()
+    assert changed <= 1 and (changed == 1) == (41 in cache.positions(0).tolist()[0][0])

@@ -1,0 +1,1 @@
+"""The comparison harness: tasks and prompts (more to come: runner, report)."""
