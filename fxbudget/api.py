@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
+import types
 import warnings
 
 import torch
@@ -76,18 +78,29 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
     _check_int("headroom", headroom, 0)
     model.forward = BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend,
                                   headroom=headroom)
-    gen_cfg = getattr(model, "generation_config", None)
-    if gen_cfg is not None:
-        gen_cfg.disable_compile = True  # generate() must not compile the forward again with its own settings
     return model
 
 
-def _raise_recompile_limit() -> None:
-    # Each (rule, budget, input shape) is its own graph of the same forward; fail loudly rather than fall back.
+def _entry(forward, kwargs):
+    return forward(**kwargs)
+
+
+_ENTRIES = itertools.count()
+
+
+def _compiled_forward(forward, backend):
+    """`torch.compile` of `forward(**kwargs)` through an entry function with its own code object.
+
+    Dynamo keeps compiled graphs per code object. Compiling the model's forward itself would pile every rule,
+    budget and shape of every `fxbudget.compile` call onto one code object and hit the recompile limit; a fresh
+    entry per call gives each its own cache, freed with it.
+    """
     cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, 64)
-    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 1024)
-    cfg.fail_on_recompile_limit_hit = True
+    cfg.fail_on_recompile_limit_hit = True  # never fall back to eager silently
+    code = _entry.__code__.replace(co_name=f"fxbudget_forward_{next(_ENTRIES)}")
+    entry = torch.compile(types.FunctionType(code, _entry.__globals__), backend=backend, fullgraph=True,
+                          dynamic=False)
+    return lambda **kwargs: entry(forward, kwargs)
 
 
 class BudgetForward:
@@ -100,16 +113,17 @@ class BudgetForward:
         self.window = kernel_window(rule)
         self.original = model.forward
         self._instance_forward = vars(model).get("forward")  # usually None: forward comes from the class
+        gen_cfg = getattr(model, "generation_config", None)
+        self._disable_compile = getattr(gen_cfg, "disable_compile", None)
+        if gen_cfg is not None:
+            gen_cfg.disable_compile = True  # generate() must not compile the forward again with its own settings
         self.graphs: list[fx.GraphModule] = []  # rewritten graphs compiled so far (one per input shape)
         self._verified = False
         if backend is None:
             self._run = self._run_eager
         else:
-            _raise_recompile_limit()
-            self._compiled = torch.compile(
-                self.original, backend=make_backend(rule, inner=backend, on_graph=self.graphs.append),
-                fullgraph=True, dynamic=False)
-            self._run = self._compiled
+            self._run = _compiled_forward(
+                self.original, make_backend(rule, inner=backend, on_graph=self.graphs.append))
 
     def _run_eager(self, *args, **kwargs):
         with BudgetAttentionMode(self.rule, self.window, get("window")) as mode:
@@ -126,6 +140,8 @@ class BudgetForward:
             del self.model.forward
         else:
             self.model.forward = self._instance_forward
+        if getattr(self.model, "generation_config", None) is not None:
+            self.model.generation_config.disable_compile = self._disable_compile
         return self.model
 
     def new_cache(self, batch_size: int = 1, *, headroom: int | None = None) -> BudgetCache:
@@ -146,7 +162,7 @@ class BudgetForward:
         if cache.batch_size != batch:
             raise ValueError(f"cache was built for batch size {cache.batch_size}, input has {batch}")
         config = getattr(self.model, "config", None)
-        if config is not None and cache.signature != BudgetCache(config, 1).signature:
+        if config is not None and cache.signature != _layer_shapes(config):
             raise ValueError("cache was built for another model (layers/heads/head_dim differ)")
         p = next(self.model.parameters(), None)
         if p is not None and (cache.dtype != p.dtype or cache.device != p.device):
@@ -173,19 +189,21 @@ class BudgetForward:
                 raise ValueError("position_ids must continue the cache's positions (no padding or gaps supported)")
         step = self.chunk_size or n
         chunks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
-        keep = kwargs.get("logits_to_keep", 0)
+        keep = kwargs.pop("logits_to_keep", 0)
+        if len(chunks) > 1 and not isinstance(keep, int):
+            raise ValueError("with chunked prefill, logits_to_keep must be an int")
+        # If only the last `keep` positions are wanted and the final chunk holds them, earlier chunks compute 1.
+        tail_only = len(chunks) == 1 or 0 < keep <= chunks[-1].stop - chunks[-1].start
         outputs, logits = None, []
         for i, sl in enumerate(chunks):
             last = i == len(chunks) - 1
-            kw = dict(kwargs)
-            if len(chunks) > 1 and not last and isinstance(keep, int) and 0 < keep <= sl.stop - sl.start:
-                kw["logits_to_keep"] = 1  # only the final chunk's logits were asked for
             part = {"input_ids": input_ids[:, sl]} if input_ids is not None else {"inputs_embeds": inputs_embeds[:, sl]}
             cache.admit(sl.stop - sl.start)
-            outputs = self._call_once(past_key_values=cache, use_cache=True, **part, **kw)
-            if len(chunks) > 1 and not (isinstance(keep, int) and 0 < keep <= sl.stop - sl.start and not last):
+            outputs = self._call_once(past_key_values=cache, use_cache=True, **part, **kwargs,
+                                      logits_to_keep=(keep if last else 1) if tail_only else 0)
+            if not tail_only:
                 logits.append(outputs.logits)
-        if len(chunks) > 1 and hasattr(outputs, "logits"):
+        if logits:
             outputs.logits = torch.cat(logits, dim=1)[:, -keep:] if keep else torch.cat(logits, dim=1)
         return outputs
 
@@ -208,7 +226,6 @@ class BudgetForward:
 
 def _captured_graphs(model, input_ids, rule, budget, cache, rule_params) -> list[fx.GraphModule]:
     graphs: list[fx.GraphModule] = []
-    _raise_recompile_limit()
     fwd = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
     backend = make_backend(rule, inner="eager", on_graph=graphs.append, **rule_params)
     if cache is None:
@@ -217,8 +234,7 @@ def _captured_graphs(model, input_ids, rule, budget, cache, rule_params) -> list
         p = next(model.parameters())
         cache = BudgetCache(model.config, budget, input_ids.shape[0], dtype=p.dtype, device=p.device)
     with torch.no_grad():
-        torch.compile(fwd, backend=backend, fullgraph=True, dynamic=False)(
-            input_ids=input_ids, past_key_values=cache, use_cache=True)
+        _compiled_forward(fwd, backend)(input_ids=input_ids, past_key_values=cache, use_cache=True)
     return graphs
 
 

@@ -20,20 +20,21 @@ from .kernel import TOTALED
 
 @torch.library.custom_op("fxbudget::candidates", mutates_args=())
 def candidates(
-    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, totals: Tensor, k_new: Tensor, v_new: Tensor,
-    new_pos: Tensor, limit: Tensor, layer: int, budget: int, sliding: int,
+    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, layer: int, budget: int, keep: int, sliding: int,
 ) -> tuple[Tensor, Tensor]:
     """Marker: the candidate keys/values (slots then new tokens), as a plain cache would hand them to SDPA."""
     return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
 
 
 @candidates.register_fake
-def _(k_slots, v_slots, pos_slots, state, totals, k_new, v_new, new_pos, limit, layer, budget, sliding):
+def _(k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, layer, budget, keep, sliding):
     return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
 
 
 # Positional argument names of the marker, shared by the pass and the eager interceptor.
-MARKER_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "totals", "k_new", "v_new", "new_pos", "limit")
+MARKER_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms", "totals", "k_new", "v_new", "new_pos")
+MARKER_STATICS = ("layer", "budget", "keep", "sliding")
 
 
 @dataclass
@@ -43,6 +44,7 @@ class MarkerCall:
     tensors: tuple[Tensor, ...]
     layer: int
     budget: int
+    keep: int
     sliding: int
 
 
@@ -66,10 +68,11 @@ class BudgetLayer(CacheLayerMixin):
         self.values = torch.zeros(batch_size, kv_heads, slots, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch_size, kv_heads, slots), -1, dtype=torch.long, device=device)
         self.state = torch.zeros(batch_size, kv_heads, slots, dtype=torch.float32, device=device)
+        self.norms = torch.zeros(batch_size, kv_heads, slots, 2, dtype=torch.float32, device=device)  # |k|, |v|
         # Per-call totals of each kernel signal (kernel.TOTALED): diagnostics, and what keeps every signal live.
         self.totals = torch.zeros(batch_size, kv_heads, len(TOTALED), dtype=torch.float32, device=device)
         self.seen = torch.zeros((), dtype=torch.long, device=device)  # total tokens seen: RoPE keeps counting
-        self.limit = torch.tensor(budget, dtype=torch.long, device=device)  # slots kept per call
+        self.keep = budget  # entries kept per call: the budget, or every slot while eviction is frozen
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states):  # allocated eagerly in __init__
@@ -79,15 +82,14 @@ class BudgetLayer(CacheLayerMixin):
         n = key_states.shape[-2]
         new_pos = torch.arange(n, device=self.device) + self.seen
         self.seen.add_(n)
-        k, v = torch.ops.fxbudget.candidates(
-            self.keys, self.values, self.pos, self.state, self.totals, key_states, value_states, new_pos, self.limit,
-            self.layer, self.budget, self.sliding)
+        tensors = (self.keys, self.values, self.pos, self.state, self.norms, self.totals, key_states, value_states,
+                   new_pos)
+        k, v = torch.ops.fxbudget.candidates(*tensors, self.layer, self.budget, self.keep, self.sliding)
         if not torch.compiler.is_compiling():
             from .eager import require_interceptor  # eager: the interceptor must be active, or SDPA would be wrong
 
             mode = require_interceptor()
-            call = MarkerCall((self.keys, self.values, self.pos, self.state, self.totals, key_states, value_states,
-                               new_pos, self.limit), self.layer, self.budget, self.sliding)
+            call = MarkerCall(tensors, self.layer, self.budget, self.keep, self.sliding)
             k._fxbudget, v._fxbudget = call, call
             mode.pending[id(call)] = self.layer
         return k, v
@@ -107,11 +109,13 @@ class BudgetLayer(CacheLayerMixin):
         self.values.zero_()
         self.pos.fill_(-1)
         self.state.zero_()
+        self.norms.zero_()
         self.totals.zero_()
         self.seen.zero_()
 
 
-def _layer_shapes(config) -> tuple[int, int, int, int, list[str]]:
+def _layer_shapes(config) -> tuple[int, int, int, int, tuple[str, ...]]:
+    """(layers, kv heads, head dim, query heads, layer types) of a config; raises for layers fxbudget cannot serve."""
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     n_layers = cfg.num_hidden_layers
     heads = cfg.num_attention_heads
@@ -122,7 +126,7 @@ def _layer_shapes(config) -> tuple[int, int, int, int, list[str]]:
         raise NotImplementedError("fxbudget does not support KV-sharing layers yet (config.kv_sharing_modes)")
     for t in set(types) - {"full_attention", "sliding_attention"}:
         raise NotImplementedError(f"fxbudget supports full and sliding attention layers, not {t!r} layers")
-    return n_layers, kv_heads, head_dim, heads, types
+    return n_layers, kv_heads, head_dim, heads, tuple(types)
 
 
 class BudgetCache(Cache):
@@ -161,7 +165,7 @@ class BudgetCache(Cache):
                 dtype=dtype, device=device))
         super().__init__(layers=layers)
         self.budget, self.headroom, self.dtype, self.device = budget, headroom, dtype, device
-        self.signature = (n_layers, kv_heads, head_dim, heads, tuple(types))
+        self.signature = (n_layers, kv_heads, head_dim, heads, types)  # what the cache was built for
         self._frozen = False
         self._held = 0  # entries held per budgeted layer, tracked on the Python side to check head-room up front
 
@@ -192,13 +196,13 @@ class BudgetCache(Cache):
             raise RuntimeError("BudgetCache.frozen() is not re-entrant")
         self._frozen = True
         for layer in self._budgeted():
-            layer.limit.fill_(layer.slots)
+            layer.keep = layer.slots  # a static kernel argument: frozen calls compile their own graph
         try:
             yield self
         finally:
             self._frozen = False
             for layer in self._budgeted():
-                layer.limit.fill_(layer.budget)
+                layer.keep = layer.budget
 
     def admit(self, n: int) -> None:
         """Account for a call of `n` new tokens before it runs; raises if frozen and the head-room is too small."""
@@ -214,7 +218,7 @@ class BudgetCache(Cache):
     def reset(self) -> None:
         super().reset()
         for layer in self._budgeted():
-            layer.limit.fill_(layer.budget)
+            layer.keep = layer.budget
         self._held, self._frozen = 0, False
 
     def _budgeted(self):

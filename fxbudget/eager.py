@@ -86,5 +86,5 @@ def run_kernel(query, call, scale, cfg: BudgetAttentionMode):
             f"(n={n}, kv_heads={call.tensors[0].shape[1]}); expected [batch, q_heads, n, head_dim]")
     cfg.pending.pop(id(call), None)
     rule = cfg.sliding_rule if call.sliding else cfg.rule
-    return budget_attention(query, *call.tensors, rule=rule, budget=call.budget, sliding=call.sliding,
-                            window=cfg.window, scale=scale)
+    return budget_attention(query, *call.tensors, rule=rule, budget=call.budget, keep=call.keep,
+                            sliding=call.sliding, window=cfg.window, scale=scale)

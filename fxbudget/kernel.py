@@ -9,7 +9,7 @@ One call, per batch row and KV head, with `S` slots and `n` new tokens (`C = S +
    positions <= the query's; within `sliding` for sliding-window layers). Query heads are grouped per KV head, K/V are
    never copied per query head. Then every signal, for every candidate, whatever the rule.
 2. `rule_region`: `score = rule.score(signals)`; candidates in `rule.protect(signals)` score +inf, empty slots -inf.
-3. `evict`: the top `limit` candidates by score are kept (ties: newer position wins);
+3. `evict`: the top `keep` candidates by score are kept (ties: newer position wins);
    surviving new tokens are written into freed slots only (a decode step writes one row per head, not the cache);
    positions and the carried state (accumulated attention) are updated.
 """
@@ -27,16 +27,16 @@ DEFAULT_WINDOW = 32  # observation window shared by all rules of a run (snapkv's
 
 # Names of the tensors `measure` returns after the attention output and the totals: the `Signals` tensor fields.
 SIGNAL_NAMES = (
-    "attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "order", "queries", "k_slots",
-    "k_new", "new_pos",
+    "attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "queries", "k_slots", "k_new",
+    "new_pos",
 )
 # The computed signals whose per-call totals are stored (`BudgetLayer.totals`, `[batch, kv_heads, 8]`). Storing them
 # makes every signal a live value for every rule: dead-code elimination cannot give one rule a cheaper kernel.
-TOTALED = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "order")
+TOTALED = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos")
 
 
 def measure(
-    q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor,
+    q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor,
     k_new: Tensor, v_new: Tensor, new_pos: Tensor, *, window: int, sliding: int, scale: float | None,
 ) -> tuple[Tensor, ...]:
     """Attention output `[batch, q_heads, n, head_dim]`, signal totals, then the signal tensors (`SIGNAL_NAMES`)."""
@@ -73,13 +73,13 @@ def measure(
     window_attn = per_query[:, :, :, n - w:].sum(dim=(2, 3))
     last_attn = per_query[:, :, :, n - 1].sum(dim=2)
     acc_attn = torch.cat([state, state.new_zeros(b, h, n)], dim=2).to(acc) + attn
-    key_norm = torch.cat([torch.linalg.vector_norm(k, dim=-1, dtype=acc) for k in (k_slots, k_new)], dim=-1)
-    value_norm = torch.cat([torch.linalg.vector_norm(v, dim=-1, dtype=acc) for v in (v_slots, v_new)], dim=-1)
-    order = torch.argsort(pos, dim=-1, stable=True)
-    totaled = (attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, order)
+    # Norms of cached entries were stored when they were written: no second pass over the whole K/V cache.
+    key_norm = torch.cat([norms[..., 0].to(acc), torch.linalg.vector_norm(k_new, dim=-1, dtype=acc)], dim=-1)
+    value_norm = torch.cat([norms[..., 1].to(acc), torch.linalg.vector_norm(v_new, dim=-1, dtype=acc)], dim=-1)
+    totaled = (attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos)
     totals = torch.stack([x.to(acc).sum(dim=-1) for x in totaled], dim=-1)
-    return (out, totals, attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, order, queries, k_slots,
-            k_new, new_pos)
+    return (out, totals, attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, queries, k_slots, k_new,
+            new_pos)
 
 
 def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tensor:
@@ -96,35 +96,37 @@ def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tenso
 
 
 def evict(
-    score: Tensor, pos: Tensor, acc_attn: Tensor, totals: Tensor,
-    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, totals_buf: Tensor,
-    k_new: Tensor, v_new: Tensor, limit: Tensor,
+    score: Tensor, pos: Tensor, acc_attn: Tensor, key_norm: Tensor, value_norm: Tensor, totals: Tensor,
+    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals_buf: Tensor,
+    k_new: Tensor, v_new: Tensor, *, keep: int,
 ) -> None:
-    """Keep the top `limit` candidates and write the surviving new tokens into freed slots, in place."""
-    b, h, S, d = k_slots.shape
+    """Keep the best `keep` candidates and write the surviving new tokens into freed slots, in place."""
+    b, h, S, _ = k_slots.shape
     n = k_new.shape[2]
     C = S + n
     dev = pos.device
-    valid = pos >= 0
 
-    # Rank by score; a stable sort over newest-first order makes the newer position win ties.
-    newest_first = torch.argsort(pos, dim=-1, descending=True, stable=True)
-    ranked = torch.sort(score.gather(-1, newest_first), dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(ranked).scatter(
-        -1, newest_first.gather(-1, ranked), torch.arange(C, device=dev).expand(b, h, C))
-    keep = (rank < limit) & valid
-    slot_keep, new_keep = keep[..., :S], keep[..., S:]
+    # One exact total order: score, then the newer position; among empty slots the lowest index goes first.
+    # Scores map to order-preserving int32 (flip the magnitude bits of negatives) and share an int64 with the
+    # tie-breaker, so one top-k finds the `C - keep` candidates to drop: linear time, deterministic.
+    bits = score.float().view(torch.int32)
+    order_key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
+    idx = torch.arange(C, device=dev)
+    tie = torch.where(pos >= 0, pos + C, idx)
+    dropped = torch.topk(order_key * 2**32 + tie, C - keep, dim=-1, largest=False).indices
+    is_dropped = torch.zeros_like(pos, dtype=torch.bool).scatter(-1, dropped, True)
+    free, new_kept = is_dropped[..., :S], ~is_dropped[..., S:]
 
-    # Pair freed slots (lowest index first) with kept new tokens (in order); only t = min(n, S) rows are touched.
+    # Pair freed slots (lowest index first) with kept new tokens (in order). There are at least as many freed slots
+    # as kept new tokens; the remaining rows of the fixed-size write hit distinct slots and write them unchanged.
     t = min(n, S)
-    dst = torch.argsort(slot_keep.to(torch.int8), dim=-1, stable=True)[..., :t]
-    src = torch.argsort((~new_keep).to(torch.int8), dim=-1, stable=True)[..., :t]
-    write = torch.arange(t, device=dev) < new_keep.sum(dim=-1, keepdim=True)
+    dst = torch.topk(torch.where(free, S - idx[:S], 0), t, dim=-1).indices
+    src = torch.topk(torch.where(new_kept, n - idx[:n], 0), t, dim=-1).indices
+    write = torch.arange(t, device=dev) < new_kept.sum(dim=-1, keepdim=True)
     bi = torch.arange(b, device=dev).view(b, 1, 1)
     hi = torch.arange(h, device=dev).view(1, h, 1)
 
     def put(slots: Tensor, new: Tensor) -> None:
-        # Rows past the kept count write a slot's own value back: fixed shapes, no effect.
         rows = torch.where(write.unsqueeze(-1), new[bi, hi, src], slots[bi, hi, dst])
         slots.index_put_((bi, hi, dst), rows)
 
@@ -132,18 +134,20 @@ def evict(
     put(v_slots, v_new)
 
     def refill(old: Tensor, cand: Tensor, empty: float | int) -> Tensor:
-        kept = old.masked_fill(~slot_keep, empty)
+        kept = old.masked_fill(free, empty)
         return kept.scatter(-1, dst, torch.where(write, cand[..., S:].gather(-1, src), kept.gather(-1, dst)))
 
     pos_slots.copy_(refill(pos_slots, pos, -1))
     state.copy_(refill(acc_attn[..., :S], acc_attn, 0.0))
+    norms.copy_(torch.stack([refill(x[..., :S], x, 0.0) for x in (key_norm, value_norm)], dim=-1))
     totals_buf.copy_(totals)
 
 
 def budget_attention(
-    q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, totals: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, limit: Tensor, *,
-    rule: Rule, budget: int, sliding: int = 0, window: int = DEFAULT_WINDOW, scale: float | None = None,
+    q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, *,
+    rule: Rule, budget: int, keep: int | None = None, sliding: int = 0, window: int = DEFAULT_WINDOW,
+    scale: float | None = None,
 ) -> Tensor:
     """Budget-aware attention for one layer and one call; updates the slot tensors in place.
 
@@ -152,21 +156,22 @@ def budget_attention(
         k_slots, v_slots: cached keys/values `[batch, kv_heads, S, head_dim]` (post-RoPE); written in place.
         pos_slots: original positions `[batch, kv_heads, S]`, -1 = empty; written in place.
         state: accumulated attention mass `[batch, kv_heads, S]` (float32); written in place.
+        norms: key and value L2 norms of the cached entries `[batch, kv_heads, S, 2]`; written in place.
         totals: `[batch, kv_heads, len(TOTALED)]`, receives each signal's total over the candidates of this call.
         k_new, v_new: this call's keys/values `[batch, kv_heads, n, head_dim]`.
         new_pos: positions of the new tokens `[n]` (the same for every row: no padding).
-        limit: 0-d long tensor, how many candidates to keep (the budget; all slots while eviction is frozen).
-        rule: the scoring rule. budget: the layer's budget, for rules (static).
+        rule: the scoring rule. budget: the layer's budget, for rules.
+        keep: how many candidates to keep (default `budget`; all `S` slots while eviction is frozen).
         sliding: sliding-window size for sliding layers, 0 for full attention.
         window: observation window for `window_attn`. scale: softmax scale (None = 1/sqrt(head_dim)).
 
     Returns:
         The attention output `[batch, q_heads, n, head_dim]`, exact over the visible candidates.
     """
-    out, new_totals, *signals = measure(q, k_slots, v_slots, pos_slots, state, k_new, v_new, new_pos,
+    out, new_totals, *signals = measure(q, k_slots, v_slots, pos_slots, state, norms, k_new, v_new, new_pos,
                                         window=window, sliding=sliding, scale=scale)
     score = rule_region(rule, budget, min(window, k_new.shape[2]), *signals)
     sig = dict(zip(SIGNAL_NAMES, signals))
-    evict(score, sig["pos"], sig["acc_attn"], new_totals,
-          k_slots, v_slots, pos_slots, state, totals, k_new, v_new, limit)
+    evict(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], new_totals,
+          k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, keep=budget if keep is None else keep)
     return out

@@ -47,3 +47,18 @@ def test_full_budget_reproduces_model_aot_eager_gemma3(rule):
 @pytest.mark.parametrize("rule", RULES)
 def test_full_budget_reproduces_model_inductor(rule):
     _check_exact("llama", rule, backend="inductor", layers=1)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_generate_prefills_and_decodes_through_the_budget_cache(backend):
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 96, (1, 20))
+    gen = dict(max_new_tokens=8, do_sample=False)
+    ref = model.generate(ids, **gen)
+    m = fxbudget.compile(fresh(model), rule="snapkv", budget=64, backend=backend, chunk_size=7)
+    out = m.generate(ids, **gen, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    cache = out.past_key_values
+    assert isinstance(cache, fxbudget.BudgetCache) and cache.tokens_seen == 27
+    with pytest.raises(ValueError, match="padded batches"):
+        m.generate(torch.randint(0, 96, (2, 5)), attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]), **gen)

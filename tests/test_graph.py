@@ -52,36 +52,36 @@ def test_cross_attention_left_alone(caplog):
 def test_rewritten_graph_snapshot():
     code = fxbudget.inspect(OneLayer(), _ids(3), rule="knorm", budget=4, cache=fxbudget.BudgetCache(CONFIG, 4))
     assert_expected_inline(code, """\
-def forward(self, L_self_modules_emb_parameters_weight_ : torch.nn.parameter.Parameter, L_input_ids_ : torch.Tensor, L_self_modules_q_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_k_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_v_parameters_weight_ : torch.nn.parameter.Parameter, L_past_key_values_layers_0_seen : torch.Tensor, L_past_key_values_layers_0_keys : torch.Tensor, L_past_key_values_layers_0_values : torch.Tensor, L_past_key_values_layers_0_pos : torch.Tensor, L_past_key_values_layers_0_state : torch.Tensor, L_past_key_values_layers_0_totals : torch.Tensor, L_past_key_values_layers_0_limit : torch.Tensor, L_self_modules_out_parameters_weight_ : torch.nn.parameter.Parameter):
-    l_self_modules_emb_parameters_weight_ = L_self_modules_emb_parameters_weight_
-    l_input_ids_ = L_input_ids_
-    l_self_modules_q_parameters_weight_ = L_self_modules_q_parameters_weight_
-    l_self_modules_k_parameters_weight_ = L_self_modules_k_parameters_weight_
-    l_self_modules_v_parameters_weight_ = L_self_modules_v_parameters_weight_
-    l_past_key_values_layers_0_seen = L_past_key_values_layers_0_seen
-    l_past_key_values_layers_0_keys = L_past_key_values_layers_0_keys
-    l_past_key_values_layers_0_values = L_past_key_values_layers_0_values
-    l_past_key_values_layers_0_pos = L_past_key_values_layers_0_pos
-    l_past_key_values_layers_0_state = L_past_key_values_layers_0_state
-    l_past_key_values_layers_0_totals = L_past_key_values_layers_0_totals
-    l_past_key_values_layers_0_limit = L_past_key_values_layers_0_limit
-    l_self_modules_out_parameters_weight_ = L_self_modules_out_parameters_weight_
-    x = torch.nn.functional.embedding(l_input_ids_, l_self_modules_emb_parameters_weight_, None, None, 2.0, False, False);  l_input_ids_ = l_self_modules_emb_parameters_weight_ = None
-    linear = torch._C._nn.linear(x, l_self_modules_q_parameters_weight_, None);  l_self_modules_q_parameters_weight_ = None
+def forward(self, L_forward_self_modules_emb_parameters_weight_ : torch.nn.parameter.Parameter, L_kwargs_input_ids_ : torch.Tensor, L_forward_self_modules_q_parameters_weight_ : torch.nn.parameter.Parameter, L_forward_self_modules_k_parameters_weight_ : torch.nn.parameter.Parameter, L_forward_self_modules_v_parameters_weight_ : torch.nn.parameter.Parameter, L_kwargs_past_key_values_layers_0_seen : torch.Tensor, L_kwargs_past_key_values_layers_0_keys : torch.Tensor, L_kwargs_past_key_values_layers_0_values : torch.Tensor, L_kwargs_past_key_values_layers_0_pos : torch.Tensor, L_kwargs_past_key_values_layers_0_state : torch.Tensor, L_kwargs_past_key_values_layers_0_norms : torch.Tensor, L_kwargs_past_key_values_layers_0_totals : torch.Tensor, L_forward_self_modules_out_parameters_weight_ : torch.nn.parameter.Parameter):
+    l_forward_self_modules_emb_parameters_weight_ = L_forward_self_modules_emb_parameters_weight_
+    l_kwargs_input_ids_ = L_kwargs_input_ids_
+    l_forward_self_modules_q_parameters_weight_ = L_forward_self_modules_q_parameters_weight_
+    l_forward_self_modules_k_parameters_weight_ = L_forward_self_modules_k_parameters_weight_
+    l_forward_self_modules_v_parameters_weight_ = L_forward_self_modules_v_parameters_weight_
+    l_kwargs_past_key_values_layers_0_seen = L_kwargs_past_key_values_layers_0_seen
+    l_kwargs_past_key_values_layers_0_keys = L_kwargs_past_key_values_layers_0_keys
+    l_kwargs_past_key_values_layers_0_values = L_kwargs_past_key_values_layers_0_values
+    l_kwargs_past_key_values_layers_0_pos = L_kwargs_past_key_values_layers_0_pos
+    l_kwargs_past_key_values_layers_0_state = L_kwargs_past_key_values_layers_0_state
+    l_kwargs_past_key_values_layers_0_norms = L_kwargs_past_key_values_layers_0_norms
+    l_kwargs_past_key_values_layers_0_totals = L_kwargs_past_key_values_layers_0_totals
+    l_forward_self_modules_out_parameters_weight_ = L_forward_self_modules_out_parameters_weight_
+    x = torch.nn.functional.embedding(l_kwargs_input_ids_, l_forward_self_modules_emb_parameters_weight_, None, None, 2.0, False, False);  l_kwargs_input_ids_ = l_forward_self_modules_emb_parameters_weight_ = None
+    linear = torch._C._nn.linear(x, l_forward_self_modules_q_parameters_weight_, None);  l_forward_self_modules_q_parameters_weight_ = None
     view = linear.view(1, 3, 2, 4);  linear = None
     q = view.transpose(1, 2);  view = None
-    linear_1 = torch._C._nn.linear(x, l_self_modules_k_parameters_weight_, None);  l_self_modules_k_parameters_weight_ = None
+    linear_1 = torch._C._nn.linear(x, l_forward_self_modules_k_parameters_weight_, None);  l_forward_self_modules_k_parameters_weight_ = None
     view_1 = linear_1.view(1, 3, 1, 4);  linear_1 = None
     k = view_1.transpose(1, 2);  view_1 = None
-    linear_2 = torch._C._nn.linear(x, l_self_modules_v_parameters_weight_, None);  x = l_self_modules_v_parameters_weight_ = None
+    linear_2 = torch._C._nn.linear(x, l_forward_self_modules_v_parameters_weight_, None);  x = l_forward_self_modules_v_parameters_weight_ = None
     view_2 = linear_2.view(1, 3, 1, 4);  linear_2 = None
     v = view_2.transpose(1, 2);  view_2 = None
     arange = torch.arange(3, device = device(type='cpu'))
-    new_pos = arange + l_past_key_values_layers_0_seen;  arange = None
-    add_ = l_past_key_values_layers_0_seen.add_(3);  l_past_key_values_layers_0_seen = add_ = None
+    new_pos = arange + l_kwargs_past_key_values_layers_0_seen;  arange = None
+    add_ = l_kwargs_past_key_values_layers_0_seen.add_(3);  l_kwargs_past_key_values_layers_0_seen = add_ = None
     view_3 = torch.ops.aten.view.default(new_pos, [1, 1, 3])
     expand = torch.ops.aten.expand.default(view_3, [1, 1, 3]);  view_3 = None
-    cat = torch.ops.aten.cat.default([l_past_key_values_layers_0_pos, expand], 2);  expand = None
+    cat = torch.ops.aten.cat.default([l_kwargs_past_key_values_layers_0_pos, expand], 2);  expand = None
     clone = torch.ops.aten.clone.default(q, memory_format = torch.contiguous_format);  q = None
     _unsafe_view = torch.ops.aten._unsafe_view.default(clone, [1, 1, 6, 4]);  clone = None
     repeat = torch.ops.aten.repeat.default(new_pos, [2]);  new_pos = None
@@ -90,7 +90,7 @@ def forward(self, L_self_modules_emb_parameters_weight_ : torch.nn.parameter.Par
     ge = torch.ops.aten.ge.Scalar(unsqueeze, 0)
     le = torch.ops.aten.le.Tensor(unsqueeze, view_4);  unsqueeze = view_4 = None
     bitwise_and = torch.ops.aten.bitwise_and.Tensor(ge, le);  ge = le = None
-    transpose_4 = torch.ops.aten.transpose.int(l_past_key_values_layers_0_keys, -1, -2)
+    transpose_4 = torch.ops.aten.transpose.int(l_kwargs_past_key_values_layers_0_keys, -1, -2)
     expand_1 = torch.ops.aten.expand.default(_unsafe_view, [1, 1, 6, 4])
     view_5 = torch.ops.aten.view.default(expand_1, [1, 6, 4]);  expand_1 = None
     expand_2 = torch.ops.aten.expand.default(transpose_4, [1, 1, 4, 4]);  transpose_4 = None
@@ -115,7 +115,7 @@ def forward(self, L_self_modules_emb_parameters_weight_ : torch.nn.parameter.Par
     slice_1 = torch.ops.aten.slice.Tensor(masked_fill_1, 3, 0, 4)
     expand_5 = torch.ops.aten.expand.default(slice_1, [1, 1, 6, 4]);  slice_1 = None
     view_9 = torch.ops.aten.view.default(expand_5, [1, 6, 4]);  expand_5 = None
-    expand_6 = torch.ops.aten.expand.default(l_past_key_values_layers_0_values, [1, 1, 4, 4])
+    expand_6 = torch.ops.aten.expand.default(l_kwargs_past_key_values_layers_0_values, [1, 1, 4, 4])
     view_10 = torch.ops.aten.view.default(expand_6, [1, 4, 4]);  expand_6 = None
     bmm_2 = torch.ops.aten.bmm.default(view_9, view_10);  view_9 = view_10 = None
     _unsafe_view_3 = torch.ops.aten._unsafe_view.default(bmm_2, [1, 1, 6, 4]);  bmm_2 = None
@@ -135,91 +135,108 @@ def forward(self, L_self_modules_emb_parameters_weight_ : torch.nn.parameter.Par
     sum_2 = torch.ops.aten.sum.dim_IntList(alias, [2, 3]);  alias = None
     select = torch.ops.aten.select.int(view_15, 3, 2);  view_15 = None
     sum_3 = torch.ops.aten.sum.dim_IntList(select, [2]);  select = None
-    new_zeros = torch.ops.aten.new_zeros.default(l_past_key_values_layers_0_state, [1, 1, 3], pin_memory = False)
-    cat_2 = torch.ops.aten.cat.default([l_past_key_values_layers_0_state, new_zeros], 2);  new_zeros = None
+    new_zeros = torch.ops.aten.new_zeros.default(l_kwargs_past_key_values_layers_0_state, [1, 1, 3], pin_memory = False)
+    cat_2 = torch.ops.aten.cat.default([l_kwargs_past_key_values_layers_0_state, new_zeros], 2);  new_zeros = None
     add_2 = torch.ops.aten.add.Tensor(cat_2, sum_1);  cat_2 = None
-    linalg_vector_norm = torch.ops.aten.linalg_vector_norm.default(l_past_key_values_layers_0_keys, 2, [-1], dtype = torch.float32)
-    linalg_vector_norm_1 = torch.ops.aten.linalg_vector_norm.default(k, 2, [-1], dtype = torch.float32)
-    cat_3 = torch.ops.aten.cat.default([linalg_vector_norm, linalg_vector_norm_1], -1);  linalg_vector_norm = linalg_vector_norm_1 = None
-    linalg_vector_norm_2 = torch.ops.aten.linalg_vector_norm.default(l_past_key_values_layers_0_values, 2, [-1], dtype = torch.float32)
-    linalg_vector_norm_3 = torch.ops.aten.linalg_vector_norm.default(v, 2, [-1], dtype = torch.float32)
-    cat_4 = torch.ops.aten.cat.default([linalg_vector_norm_2, linalg_vector_norm_3], -1);  linalg_vector_norm_2 = linalg_vector_norm_3 = None
-    sort = torch.ops.aten.sort.stable(cat, stable = True)
-    getitem_3 = sort[1];  sort = None
+    select_1 = torch.ops.aten.select.int(l_kwargs_past_key_values_layers_0_norms, 3, 0)
+    linalg_vector_norm = torch.ops.aten.linalg_vector_norm.default(k, 2, [-1], dtype = torch.float32)
+    cat_3 = torch.ops.aten.cat.default([select_1, linalg_vector_norm], -1);  select_1 = linalg_vector_norm = None
+    select_2 = torch.ops.aten.select.int(l_kwargs_past_key_values_layers_0_norms, 3, 1)
+    linalg_vector_norm_1 = torch.ops.aten.linalg_vector_norm.default(v, 2, [-1], dtype = torch.float32)
+    cat_4 = torch.ops.aten.cat.default([select_2, linalg_vector_norm_1], -1);  select_2 = linalg_vector_norm_1 = None
     sum_4 = torch.ops.aten.sum.dim_IntList(sum_1, [-1]);  sum_1 = None
     sum_5 = torch.ops.aten.sum.dim_IntList(sum_2, [-1]);  sum_2 = None
     sum_6 = torch.ops.aten.sum.dim_IntList(sum_3, [-1]);  sum_3 = None
     sum_7 = torch.ops.aten.sum.dim_IntList(add_2, [-1])
     sum_8 = torch.ops.aten.sum.dim_IntList(cat_3, [-1])
-    sum_9 = torch.ops.aten.sum.dim_IntList(cat_4, [-1]);  cat_4 = None
+    sum_9 = torch.ops.aten.sum.dim_IntList(cat_4, [-1])
     _to_copy = torch.ops.aten._to_copy.default(cat, dtype = torch.float32)
     sum_10 = torch.ops.aten.sum.dim_IntList(_to_copy, [-1]);  _to_copy = None
-    _to_copy_1 = torch.ops.aten._to_copy.default(getitem_3, dtype = torch.float32);  getitem_3 = None
-    sum_11 = torch.ops.aten.sum.dim_IntList(_to_copy_1, [-1]);  _to_copy_1 = None
-    stack = torch.ops.aten.stack.default([sum_4, sum_5, sum_6, sum_7, sum_8, sum_9, sum_10, sum_11], -1);  sum_4 = sum_5 = sum_6 = sum_7 = sum_8 = sum_9 = sum_10 = sum_11 = None
-    neg = torch.ops.aten.neg.default(cat_3);  cat_3 = None
+    stack = torch.ops.aten.stack.default([sum_4, sum_5, sum_6, sum_7, sum_8, sum_9, sum_10], -1);  sum_4 = sum_5 = sum_6 = sum_7 = sum_8 = sum_9 = sum_10 = None
+    neg = torch.ops.aten.neg.default(cat_3)
     lt = torch.ops.aten.lt.Scalar(cat, 0)
     masked_fill_2 = torch.ops.aten.masked_fill.Scalar(neg, lt, -inf);  neg = lt = None
-    ge_1 = torch.ops.aten.ge.Scalar(cat, 0)
-    sort_1 = torch.ops.aten.sort.stable(cat, stable = True, descending = True)
-    getitem_5 = sort_1[1];  sort_1 = None
-    gather = torch.ops.aten.gather.default(masked_fill_2, -1, getitem_5);  masked_fill_2 = None
-    sort_2 = torch.ops.aten.sort.stable(gather, stable = True, descending = True);  gather = None
-    getitem_7 = sort_2[1];  sort_2 = None
-    empty_like = torch.ops.aten.empty_like.default(getitem_7, pin_memory = False)
-    gather_1 = torch.ops.aten.gather.default(getitem_5, -1, getitem_7);  getitem_5 = getitem_7 = None
+    view_16 = torch.ops.aten.view.dtype(masked_fill_2, torch.int32);  masked_fill_2 = None
+    detach = torch.ops.aten.detach.default(view_16);  view_16 = None
+    ge_1 = torch.ops.aten.ge.Scalar(detach, 0)
+    bitwise_xor = torch.ops.aten.bitwise_xor.Scalar(detach, 2147483647)
+    where = torch.ops.aten.where.self(ge_1, detach, bitwise_xor);  ge_1 = detach = bitwise_xor = None
+    _to_copy_1 = torch.ops.aten._to_copy.default(where, dtype = torch.int64);  where = None
     arange_1 = torch.ops.aten.arange.default(7, device = device(type='cpu'), pin_memory = False)
-    expand_9 = torch.ops.aten.expand.default(arange_1, [1, 1, 7]);  arange_1 = None
-    scatter = torch.ops.aten.scatter.src(empty_like, -1, gather_1, expand_9);  empty_like = gather_1 = expand_9 = None
-    lt_1 = torch.ops.aten.lt.Tensor(scatter, l_past_key_values_layers_0_limit);  scatter = l_past_key_values_layers_0_limit = None
-    bitwise_and_1 = torch.ops.aten.bitwise_and.Tensor(lt_1, ge_1);  lt_1 = ge_1 = None
-    slice_3 = torch.ops.aten.slice.Tensor(bitwise_and_1, 2, 0, 4)
-    slice_4 = torch.ops.aten.slice.Tensor(bitwise_and_1, 2, 4, 9223372036854775807);  bitwise_and_1 = None
-    _to_copy_2 = torch.ops.aten._to_copy.default(slice_3, dtype = torch.int8)
-    sort_3 = torch.ops.aten.sort.stable(_to_copy_2, stable = True);  _to_copy_2 = None
-    getitem_9 = sort_3[1];  sort_3 = None
-    slice_5 = torch.ops.aten.slice.Tensor(getitem_9, 2, 0, 3);  getitem_9 = None
-    bitwise_not_2 = torch.ops.aten.bitwise_not.default(slice_4)
-    _to_copy_3 = torch.ops.aten._to_copy.default(bitwise_not_2, dtype = torch.int8);  bitwise_not_2 = None
-    sort_4 = torch.ops.aten.sort.stable(_to_copy_3, stable = True);  _to_copy_3 = None
-    getitem_11 = sort_4[1];  sort_4 = None
-    alias_1 = torch.ops.aten.alias.default(getitem_11);  getitem_11 = None
+    ge_2 = torch.ops.aten.ge.Scalar(cat, 0)
+    add_3 = torch.ops.aten.add.Tensor(cat, 7)
+    where_1 = torch.ops.aten.where.self(ge_2, add_3, arange_1);  ge_2 = add_3 = None
+    mul_1 = torch.ops.aten.mul.Tensor(_to_copy_1, 4294967296);  _to_copy_1 = None
+    add_4 = torch.ops.aten.add.Tensor(mul_1, where_1);  mul_1 = where_1 = None
+    topk = torch.ops.aten.topk.default(add_4, 3, -1, False);  add_4 = None
+    getitem_3 = topk[1];  topk = None
+    zeros_like = torch.ops.aten.zeros_like.default(cat, dtype = torch.bool, pin_memory = False)
+    scatter = torch.ops.aten.scatter.value(zeros_like, -1, getitem_3, True);  zeros_like = getitem_3 = None
+    slice_3 = torch.ops.aten.slice.Tensor(scatter, 2, 0, 4)
+    slice_4 = torch.ops.aten.slice.Tensor(scatter, 2, 4, 9223372036854775807);  scatter = None
+    bitwise_not_2 = torch.ops.aten.bitwise_not.default(slice_4);  slice_4 = None
+    slice_5 = torch.ops.aten.slice.Tensor(arange_1, 0, 0, 4)
+    rsub = torch.ops.aten.rsub.Scalar(slice_5, 4);  slice_5 = None
+    scalar_tensor = torch.ops.aten.scalar_tensor.default(0, dtype = torch.int64, layout = torch.strided, device = device(type='cpu'))
+    where_2 = torch.ops.aten.where.self(slice_3, rsub, scalar_tensor);  rsub = scalar_tensor = None
+    topk_1 = torch.ops.aten.topk.default(where_2, 3);  where_2 = None
+    getitem_5 = topk_1[1];  topk_1 = None
+    slice_6 = torch.ops.aten.slice.Tensor(arange_1, 0, 0, 3);  arange_1 = None
+    rsub_1 = torch.ops.aten.rsub.Scalar(slice_6, 3);  slice_6 = None
+    scalar_tensor_1 = torch.ops.aten.scalar_tensor.default(0, dtype = torch.int64, layout = torch.strided, device = device(type='cpu'))
+    where_3 = torch.ops.aten.where.self(bitwise_not_2, rsub_1, scalar_tensor_1);  rsub_1 = scalar_tensor_1 = None
+    topk_2 = torch.ops.aten.topk.default(where_3, 3);  where_3 = None
+    getitem_7 = topk_2[1];  topk_2 = None
     arange_2 = torch.ops.aten.arange.default(3, device = device(type='cpu'), pin_memory = False)
-    sum_12 = torch.ops.aten.sum.dim_IntList(slice_4, [-1], True);  slice_4 = None
-    lt_2 = torch.ops.aten.lt.Tensor(arange_2, sum_12);  arange_2 = sum_12 = None
+    sum_11 = torch.ops.aten.sum.dim_IntList(bitwise_not_2, [-1], True);  bitwise_not_2 = None
+    lt_1 = torch.ops.aten.lt.Tensor(arange_2, sum_11);  arange_2 = sum_11 = None
     arange_3 = torch.ops.aten.arange.default(1, device = device(type='cpu'), pin_memory = False)
-    view_16 = torch.ops.aten.view.default(arange_3, [1, 1, 1]);  arange_3 = None
+    view_17 = torch.ops.aten.view.default(arange_3, [1, 1, 1]);  arange_3 = None
     arange_4 = torch.ops.aten.arange.default(1, device = device(type='cpu'), pin_memory = False)
-    view_17 = torch.ops.aten.view.default(arange_4, [1, 1, 1]);  arange_4 = None
-    unsqueeze_1 = torch.ops.aten.unsqueeze.default(lt_2, -1)
-    index = torch.ops.aten.index.Tensor(k, [view_16, view_17, alias_1]);  k = None
-    index_1 = torch.ops.aten.index.Tensor(l_past_key_values_layers_0_keys, [view_16, view_17, slice_5])
-    where = torch.ops.aten.where.self(unsqueeze_1, index, index_1);  unsqueeze_1 = index = index_1 = None
-    index_put_ = torch.ops.aten.index_put_.default(l_past_key_values_layers_0_keys, [view_16, view_17, slice_5], where);  l_past_key_values_layers_0_keys = where = index_put_ = None
-    unsqueeze_2 = torch.ops.aten.unsqueeze.default(lt_2, -1)
-    index_2 = torch.ops.aten.index.Tensor(v, [view_16, view_17, alias_1]);  v = None
-    index_3 = torch.ops.aten.index.Tensor(l_past_key_values_layers_0_values, [view_16, view_17, slice_5])
-    where_1 = torch.ops.aten.where.self(unsqueeze_2, index_2, index_3);  unsqueeze_2 = index_2 = index_3 = None
-    index_put__1 = torch.ops.aten.index_put_.default(l_past_key_values_layers_0_values, [view_16, view_17, slice_5], where_1);  l_past_key_values_layers_0_values = view_16 = view_17 = where_1 = index_put__1 = None
-    bitwise_not_3 = torch.ops.aten.bitwise_not.default(slice_3)
-    masked_fill_3 = torch.ops.aten.masked_fill.Scalar(l_past_key_values_layers_0_pos, bitwise_not_3, -1);  bitwise_not_3 = None
-    slice_6 = torch.ops.aten.slice.Tensor(cat, 2, 4, 9223372036854775807);  cat = None
-    gather_2 = torch.ops.aten.gather.default(slice_6, -1, alias_1);  slice_6 = None
-    gather_3 = torch.ops.aten.gather.default(masked_fill_3, -1, slice_5)
-    where_2 = torch.ops.aten.where.self(lt_2, gather_2, gather_3);  gather_2 = gather_3 = None
-    scatter_1 = torch.ops.aten.scatter.src(masked_fill_3, -1, slice_5, where_2);  masked_fill_3 = where_2 = None
-    copy_ = torch.ops.aten.copy_.default(l_past_key_values_layers_0_pos, scatter_1);  l_past_key_values_layers_0_pos = scatter_1 = copy_ = None
-    slice_7 = torch.ops.aten.slice.Tensor(add_2, 2, 0, 4)
-    bitwise_not_4 = torch.ops.aten.bitwise_not.default(slice_3);  slice_3 = None
-    masked_fill_4 = torch.ops.aten.masked_fill.Scalar(slice_7, bitwise_not_4, 0.0);  slice_7 = bitwise_not_4 = None
-    slice_8 = torch.ops.aten.slice.Tensor(add_2, 2, 4, 9223372036854775807);  add_2 = None
-    gather_4 = torch.ops.aten.gather.default(slice_8, -1, alias_1);  slice_8 = alias_1 = None
-    gather_5 = torch.ops.aten.gather.default(masked_fill_4, -1, slice_5)
-    where_3 = torch.ops.aten.where.self(lt_2, gather_4, gather_5);  lt_2 = gather_4 = gather_5 = None
-    scatter_2 = torch.ops.aten.scatter.src(masked_fill_4, -1, slice_5, where_3);  masked_fill_4 = slice_5 = where_3 = None
-    copy__1 = torch.ops.aten.copy_.default(l_past_key_values_layers_0_state, scatter_2);  l_past_key_values_layers_0_state = scatter_2 = copy__1 = None
-    copy__2 = torch.ops.aten.copy_.default(l_past_key_values_layers_0_totals, stack);  l_past_key_values_layers_0_totals = stack = copy__2 = None
+    view_18 = torch.ops.aten.view.default(arange_4, [1, 1, 1]);  arange_4 = None
+    unsqueeze_1 = torch.ops.aten.unsqueeze.default(lt_1, -1)
+    index = torch.ops.aten.index.Tensor(k, [view_17, view_18, getitem_7]);  k = None
+    index_1 = torch.ops.aten.index.Tensor(l_kwargs_past_key_values_layers_0_keys, [view_17, view_18, getitem_5])
+    where_4 = torch.ops.aten.where.self(unsqueeze_1, index, index_1);  unsqueeze_1 = index = index_1 = None
+    index_put_ = torch.ops.aten.index_put_.default(l_kwargs_past_key_values_layers_0_keys, [view_17, view_18, getitem_5], where_4);  l_kwargs_past_key_values_layers_0_keys = where_4 = index_put_ = None
+    unsqueeze_2 = torch.ops.aten.unsqueeze.default(lt_1, -1)
+    index_2 = torch.ops.aten.index.Tensor(v, [view_17, view_18, getitem_7]);  v = None
+    index_3 = torch.ops.aten.index.Tensor(l_kwargs_past_key_values_layers_0_values, [view_17, view_18, getitem_5])
+    where_5 = torch.ops.aten.where.self(unsqueeze_2, index_2, index_3);  unsqueeze_2 = index_2 = index_3 = None
+    index_put__1 = torch.ops.aten.index_put_.default(l_kwargs_past_key_values_layers_0_values, [view_17, view_18, getitem_5], where_5);  l_kwargs_past_key_values_layers_0_values = view_17 = view_18 = where_5 = index_put__1 = None
+    masked_fill_3 = torch.ops.aten.masked_fill.Scalar(l_kwargs_past_key_values_layers_0_pos, slice_3, -1)
+    slice_7 = torch.ops.aten.slice.Tensor(cat, 2, 4, 9223372036854775807);  cat = None
+    gather = torch.ops.aten.gather.default(slice_7, -1, getitem_7);  slice_7 = None
+    gather_1 = torch.ops.aten.gather.default(masked_fill_3, -1, getitem_5)
+    where_6 = torch.ops.aten.where.self(lt_1, gather, gather_1);  gather = gather_1 = None
+    scatter_1 = torch.ops.aten.scatter.src(masked_fill_3, -1, getitem_5, where_6);  masked_fill_3 = where_6 = None
+    copy_ = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_pos, scatter_1);  l_kwargs_past_key_values_layers_0_pos = scatter_1 = copy_ = None
+    slice_8 = torch.ops.aten.slice.Tensor(add_2, 2, 0, 4)
+    masked_fill_4 = torch.ops.aten.masked_fill.Scalar(slice_8, slice_3, 0.0);  slice_8 = None
+    slice_9 = torch.ops.aten.slice.Tensor(add_2, 2, 4, 9223372036854775807);  add_2 = None
+    gather_2 = torch.ops.aten.gather.default(slice_9, -1, getitem_7);  slice_9 = None
+    gather_3 = torch.ops.aten.gather.default(masked_fill_4, -1, getitem_5)
+    where_7 = torch.ops.aten.where.self(lt_1, gather_2, gather_3);  gather_2 = gather_3 = None
+    scatter_2 = torch.ops.aten.scatter.src(masked_fill_4, -1, getitem_5, where_7);  masked_fill_4 = where_7 = None
+    copy__1 = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_state, scatter_2);  l_kwargs_past_key_values_layers_0_state = scatter_2 = copy__1 = None
+    slice_10 = torch.ops.aten.slice.Tensor(cat_3, 2, 0, 4)
+    masked_fill_5 = torch.ops.aten.masked_fill.Scalar(slice_10, slice_3, 0.0);  slice_10 = None
+    slice_11 = torch.ops.aten.slice.Tensor(cat_3, 2, 4, 9223372036854775807);  cat_3 = None
+    gather_4 = torch.ops.aten.gather.default(slice_11, -1, getitem_7);  slice_11 = None
+    gather_5 = torch.ops.aten.gather.default(masked_fill_5, -1, getitem_5)
+    where_8 = torch.ops.aten.where.self(lt_1, gather_4, gather_5);  gather_4 = gather_5 = None
+    scatter_3 = torch.ops.aten.scatter.src(masked_fill_5, -1, getitem_5, where_8);  masked_fill_5 = where_8 = None
+    slice_12 = torch.ops.aten.slice.Tensor(cat_4, 2, 0, 4)
+    masked_fill_6 = torch.ops.aten.masked_fill.Scalar(slice_12, slice_3, 0.0);  slice_12 = slice_3 = None
+    slice_13 = torch.ops.aten.slice.Tensor(cat_4, 2, 4, 9223372036854775807);  cat_4 = None
+    gather_6 = torch.ops.aten.gather.default(slice_13, -1, getitem_7);  slice_13 = getitem_7 = None
+    gather_7 = torch.ops.aten.gather.default(masked_fill_6, -1, getitem_5)
+    where_9 = torch.ops.aten.where.self(lt_1, gather_6, gather_7);  lt_1 = gather_6 = gather_7 = None
+    scatter_4 = torch.ops.aten.scatter.src(masked_fill_6, -1, getitem_5, where_9);  masked_fill_6 = getitem_5 = where_9 = None
+    stack_1 = torch.ops.aten.stack.default([scatter_3, scatter_4], -1);  scatter_3 = scatter_4 = None
+    copy__2 = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_norms, stack_1);  l_kwargs_past_key_values_layers_0_norms = stack_1 = copy__2 = None
+    copy__3 = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_totals, stack);  l_kwargs_past_key_values_layers_0_totals = stack = copy__3 = None
     transpose_3 = view_14.transpose(1, 2);  view_14 = None
     reshape = transpose_3.reshape(1, 3, 8);  transpose_3 = None
-    linear_3 = torch._C._nn.linear(reshape, l_self_modules_out_parameters_weight_, None);  reshape = l_self_modules_out_parameters_weight_ = None
+    linear_3 = torch._C._nn.linear(reshape, l_forward_self_modules_out_parameters_weight_, None);  reshape = l_forward_self_modules_out_parameters_weight_ = None
     return (linear_3,)""")

@@ -83,8 +83,8 @@ def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim
     k_slots, v_slots = torch.zeros(b, h, budget, d, **f64), torch.zeros(b, h, budget, d, **f64)
     pos_slots = torch.full((b, h, budget), -1, dtype=torch.long)
     state = torch.zeros(b, h, budget, **f64)
+    norms = torch.zeros(b, h, budget, 2, **f64)
     totals = torch.zeros(b, h, len(TOTALED), **f64)
-    limit = torch.tensor(budget)
     rule_obj = rules.get(rule)
     window = 4  # small observation window so chunks are longer than it
     scale = 1 / math.sqrt(d)
@@ -95,7 +95,7 @@ def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim
         k_new = torch.randn(b, h, n, d, generator=gen, **f64)
         v_new = torch.randn(b, h, n, d, generator=gen, **f64)
         new_pos = torch.arange(pos0, pos0 + n)
-        out = budget_attention(q, k_slots, v_slots, pos_slots, state, totals, k_new, v_new, new_pos, limit,
+        out = budget_attention(q, k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos,
                                rule=rule_obj, budget=budget, window=window)
         for bi in range(b):
             for hi in range(h):
@@ -112,6 +112,7 @@ def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim
                     torch.testing.assert_close(k_slots[bi, hi, s], kept[p]["k"])
                     torch.testing.assert_close(v_slots[bi, hi, s], kept[p]["v"])
                     assert abs(state[bi, hi, s].item() - kept[p]["acc"]) < 1e-9
+                    assert abs(norms[bi, hi, s, 0].item() - kept[p]["k"].norm().item()) < 1e-9
         pos0 += n
 
 
@@ -119,8 +120,8 @@ def test_no_visible_candidate_gives_zeros_not_nan():
     b, h, d = 1, 1, 4
     z = torch.zeros(b, h, 3, d)
     out = budget_attention(torch.randn(b, h, 1, d), z, z, torch.full((b, h, 3), -1), torch.zeros(b, h, 3),
-                           torch.zeros(b, h, len(TOTALED)), torch.randn(b, h, 1, d), torch.randn(b, h, 1, d), torch.tensor([-1]), torch.tensor(3),
-                           rule=rules.get("h2o"), budget=3)
+                           torch.zeros(b, h, 3, 2), torch.zeros(b, h, len(TOTALED)), torch.randn(b, h, 1, d),
+                           torch.randn(b, h, 1, d), torch.tensor([-1]), rule=rules.get("h2o"), budget=3)
     assert not out.isnan().any() and torch.equal(out, torch.zeros_like(out))
 
 
@@ -132,9 +133,10 @@ def test_decode_writes_one_row_per_head():
     pos = torch.arange(S).expand(b, h, S).clone()
     state = torch.rand(b, h, S)
     k0, v0, p0 = k_slots.clone(), v_slots.clone(), pos.clone()
-    budget_attention(torch.randn(b, h * 2, 1, d), k_slots, v_slots, pos, state, torch.zeros(b, h, len(TOTALED)),
-                     torch.randn(b, h, 1, d),
-                     torch.randn(b, h, 1, d), torch.tensor([S]), torch.tensor(S), rule=rules.get("knorm"), budget=S)
+    norms = torch.stack([k_slots.norm(dim=-1), v_slots.norm(dim=-1)], dim=-1)
+    budget_attention(torch.randn(b, h * 2, 1, d), k_slots, v_slots, pos, state, norms, torch.zeros(b, h, len(TOTALED)),
+                     torch.randn(b, h, 1, d) * 0.1, torch.randn(b, h, 1, d), torch.tensor([S]),
+                     rule=rules.get("knorm"), budget=S)
     changed = (k_slots != k0).any(-1) | (v_slots != v0).any(-1)
-    assert changed.sum(-1).le(1).all()
+    assert torch.equal(changed.sum(-1), torch.ones(b, h, dtype=torch.long))  # the small new key evicts one slot
     assert torch.equal(changed, pos != p0)

@@ -107,14 +107,14 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule) -> 
             continue
         if args.get("dropout_p", 0.0):
             raise RuntimeError("fxbudget: SDPA with dropout (training mode?) cannot use a budget cache; call .eval()")
-        *tensor_args, layer, budget, sliding = marker.args
-        m = dict(zip(MARKER_TENSORS, tensor_args))
+        m = dict(zip(MARKER_TENSORS, marker.args))
+        layer, budget, keep, sliding = marker.args[len(MARKER_TENSORS):]
         layer_rule = sliding_rule if sliding else rule
         mode = FakeTensorMode()
         fake = {name: _fake_like(mode, node_) for name, node_ in m.items()}
         fake["q"] = _fake_like(mode, args["query"])
-        measure_args = ("q", "k_slots", "v_slots", "pos_slots", "state", "k_new", "v_new", "new_pos")
-        evict_args = ("k_slots", "v_slots", "pos_slots", "state", "totals", "k_new", "v_new", "limit")
+        measure_args = ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new", "new_pos")
+        evict_args = ("k_slots", "v_slots", "pos_slots", "state", "norms", "totals", "k_new", "v_new")
         graph_in = {**m, "q": args["query"]}
         w = min(window, fake["k_new"].shape[2])
         phase1 = functools.partial(measure, window=window, sliding=sliding, scale=args.get("scale"))
@@ -128,9 +128,11 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule) -> 
                                         [graph_in[a] for a in measure_args], node, "measure")
         score = _splice(gm, _trace(phase2, f_signals, mode), signals, node, "rule")
         sig, f_sig = dict(zip(SIGNAL_NAMES, signals)), dict(zip(SIGNAL_NAMES, f_signals))
-        _splice(gm, _trace(evict, [f_score, f_sig["pos"], f_sig["acc_attn"], f_totals,
-                                   *[fake[a] for a in evict_args]], mode),
-                [score, sig["pos"], sig["acc_attn"], totals, *[graph_in[a] for a in evict_args]],
+        from_signals = ("pos", "acc_attn", "key_norm", "value_norm")
+        phase3 = functools.partial(evict, keep=keep)
+        _splice(gm, _trace(phase3, [f_score, *[f_sig[a] for a in from_signals], f_totals,
+                                    *[fake[a] for a in evict_args]], mode),
+                [score, *[sig[a] for a in from_signals], totals, *[graph_in[a] for a in evict_args]],
                 node, "evict")
 
         node.replace_all_uses_with(out)

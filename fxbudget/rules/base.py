@@ -6,6 +6,7 @@ kernel: the kernel computes every signal for every candidate in every call, what
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,8 +29,6 @@ class Signals:
         key_norm: L2 norm of each candidate key (post-RoPE, as cached).
         value_norm: L2 norm of each candidate value.
         pos: original position of each candidate (`-1` = empty slot).
-        order: candidate indices sorted by position, oldest first, empty slots first: `x.gather(-1, order)` puts a
-            signal in sequence order (for pooling over neighbours, since slots are unordered).
         queries: this call's queries grouped per KV head, `[batch, kv_heads, group * n, head_dim]`.
         k_slots, k_new: cached keys `[batch, kv_heads, S, head_dim]` and this call's keys (`keys` joins them).
         new_pos: positions of this call's tokens `[n]`; `step` is the total seen after the call.
@@ -44,7 +43,6 @@ class Signals:
     key_norm: Tensor
     value_norm: Tensor
     pos: Tensor
-    order: Tensor
     queries: Tensor
     k_slots: Tensor
     k_new: Tensor
@@ -61,6 +59,12 @@ class Signals:
     def keys(self) -> Tensor:
         """Candidate keys `[batch, kv_heads, C, head_dim]` (a copy: only rules that read keys pay for it)."""
         return torch.cat([self.k_slots, self.k_new], dim=2)
+
+    @functools.cached_property
+    def order(self) -> Tensor:
+        """Candidate indices sorted by position, oldest first (empty slots first): slots are unordered, so a rule
+        that pools over neighbouring positions sorts first (and pays for it in its own ops)."""
+        return torch.argsort(self.pos, dim=-1, stable=True)
 
     def in_sequence_order(self, x: Tensor) -> Tensor:
         """`x` ([..., C]) reordered oldest-first; undo with `from_sequence_order`."""
