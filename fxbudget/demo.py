@@ -1,9 +1,11 @@
 """Quickstart: a ~2K-token passkey prompt on the embedded model, full cache vs budget 256.
 
-    python -m fxbudget.demo [--tokens 2000] [--budget 256] [--chunk 256] [--backend inductor]
+    python -m fxbudget.demo [--tokens 2000] [--budget 256] [--chunk 256] [--backend none|inductor]
 
 Runs the unmodified model (full cache), then `snapkv` and `streamingllm` with one-shot prefill and with chunked
-prefill (bounded memory), and prints each answer, the KV memory held and the time.
+prefill (bounded memory), and prints each answer, the KV memory held and the time. The default runs the shared
+kernel eagerly (about 4 minutes here); `--backend inductor` compiles it, which on a 2-core CPU costs about
+3 minutes per configuration the first time (12 minutes in all) and gives the same answers.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=2000, help="context length in tokens (default 2000)")
     p.add_argument("--budget", type=int, default=256, help="KV entries per layer and head (default 256)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk size for the bounded-memory runs")
-    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager", "none"],
-                   help="fxbudget backend; 'none' runs the kernel eagerly (default inductor)")
+    p.add_argument("--backend", default="none", choices=["none", "inductor", "aot_eager", "eager"],
+                   help="fxbudget backend; 'none' (default) runs the shared kernel eagerly, without torch.compile")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: faster on small CPUs)")
     p.add_argument("--rules", default="snapkv,streamingllm")
     args = p.parse_args(argv)
@@ -76,8 +78,10 @@ def main(argv=None) -> int:
     print(f"\n{'configuration':<48} {'answer':<16} {'ok':<4} {'KV held':>9} {'time':>8}")
     for label, answer, ok, mib, dt in rows:
         print(f"{label:<48} {answer[:16]:<16} {'yes' if ok else 'no':<4} {mib:>7.1f}MB {dt:>7.1f}s")
-    print("\nTime includes compiling (first use of each configuration). With chunked prefill, early chunks are "
-          "evicted before the question arrives, so a rule cannot use it: a difference there is a real finding.")
+    if backend is not None:
+        print("\nTime includes compiling (the first use of each configuration and input length).")
+    print("With chunked prefill, early chunks are evicted before the question arrives, so a rule cannot use it: a "
+          "difference from one-shot prefill there is a real finding, not a bug.")
     return 0
 
 

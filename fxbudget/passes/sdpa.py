@@ -59,14 +59,13 @@ def find_marker(node: fx.Node, index: int, max_hops: int = 16) -> fx.Node | None
     return None
 
 
-def _fake_like(mode: FakeTensorMode, node: fx.Node) -> torch.Tensor:
+def _example(node: fx.Node) -> torch.Tensor:
     ev = node.meta.get("example_value")
     if not isinstance(ev, torch.Tensor):
         raise RuntimeError(f"fxbudget: graph node {node.name} has no example tensor; cannot trace the kernel")
     if any(not isinstance(s, int) for s in (*ev.shape, *ev.stride())):
         raise RuntimeError("fxbudget: dynamic shapes reached the SDPA pass; compile with dynamic=False")
-    with mode:
-        return torch.empty_strided(tuple(ev.shape), tuple(ev.stride()), dtype=ev.dtype, device=ev.device)
+    return ev
 
 
 def _splice(gm: fx.GraphModule, sub: fx.GraphModule, inputs: list[fx.Node], before: fx.Node, region: str):
@@ -95,9 +94,45 @@ def _trace(fn, fakes, mode: FakeTensorMode) -> fx.GraphModule:
         return make_fx(fn, tracing_mode="real")(*fakes)
 
 
+_MEASURE_ARGS = ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new", "new_pos")
+_EVICT_SIGNALS = ("pos", "acc_attn", "key_norm", "value_norm")
+_EVICT_ARGS = ("k_slots", "v_slots", "pos_slots", "state", "norms", "totals", "k_new", "v_new")
+
+
+@dataclass
+class KernelTrace:
+    """The kernel's three phases traced to aten graphs for one layer configuration."""
+
+    measure: fx.GraphModule
+    rule: fx.GraphModule
+    evict: fx.GraphModule
+
+
+def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
+                 scale: float | None) -> KernelTrace:
+    """Trace `measure`, `rule_region` and `evict` on fake tensors shaped like the example values `ev`."""
+    mode = FakeTensorMode()
+    with mode:
+        fake = {k: torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
+                for k, v in ev.items()}
+    phase1 = functools.partial(measure, window=window, sliding=sliding, scale=scale)
+    phase2 = functools.partial(rule_region, rule, budget, min(window, fake["k_new"].shape[2]))
+    phase3 = functools.partial(evict, keep=keep)
+    with mode:
+        _, f_totals, *f_signals = phase1(*[fake[a] for a in _MEASURE_ARGS])
+        f_score = phase2(*f_signals)
+    f_sig = dict(zip(SIGNAL_NAMES, f_signals))
+    return KernelTrace(
+        _trace(phase1, [fake[a] for a in _MEASURE_ARGS], mode),
+        _trace(phase2, f_signals, mode),
+        _trace(phase3, [f_score, *[f_sig[a] for a in _EVICT_SIGNALS], f_totals, *[fake[a] for a in _EVICT_ARGS]],
+               mode))
+
+
 def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule) -> RewriteReport:
     """Replace every marker-fed SDPA node of `gm` in place; returns what was rewritten and what was left alone."""
     report = RewriteReport()
+    traces: dict[tuple, KernelTrace] = {}  # layers of one model share shapes: trace once per configuration
     for node in [n for n in gm.graph.nodes if is_sdpa(n)]:
         args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), node.args))
         args.update(node.kwargs)
@@ -107,34 +142,22 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule) -> 
             continue
         if args.get("dropout_p", 0.0):
             raise RuntimeError("fxbudget: SDPA with dropout (training mode?) cannot use a budget cache; call .eval()")
-        m = dict(zip(MARKER_TENSORS, marker.args))
+        graph_in = {**dict(zip(MARKER_TENSORS, marker.args)), "q": args["query"]}
         layer, budget, keep, sliding = marker.args[len(MARKER_TENSORS):]
-        layer_rule = sliding_rule if sliding else rule
-        mode = FakeTensorMode()
-        fake = {name: _fake_like(mode, node_) for name, node_ in m.items()}
-        fake["q"] = _fake_like(mode, args["query"])
-        measure_args = ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new", "new_pos")
-        evict_args = ("k_slots", "v_slots", "pos_slots", "state", "norms", "totals", "k_new", "v_new")
-        graph_in = {**m, "q": args["query"]}
-        w = min(window, fake["k_new"].shape[2])
-        phase1 = functools.partial(measure, window=window, sliding=sliding, scale=args.get("scale"))
-        phase2 = functools.partial(rule_region, layer_rule, budget, w)
+        ev = {name: _example(n) for name, n in graph_in.items()}
+        key = (tuple((k, tuple(v.shape), tuple(v.stride()), v.dtype, v.device) for k, v in ev.items()),
+               budget, keep, sliding, args.get("scale"))
+        if key not in traces:
+            traces[key] = trace_kernel(ev, sliding_rule if sliding else rule, budget=budget, keep=keep,
+                                       sliding=sliding, window=window, scale=args.get("scale"))
+        kt = traces[key]
 
-        # Trace each phase on fake tensors, splice it before the SDPA node, feed its outputs to the next phase.
-        with mode:
-            f_out, f_totals, *f_signals = phase1(*[fake[a] for a in measure_args])
-            f_score = phase2(*f_signals)
-        out, totals, *signals = _splice(gm, _trace(phase1, [fake[a] for a in measure_args], mode),
-                                        [graph_in[a] for a in measure_args], node, "measure")
-        score = _splice(gm, _trace(phase2, f_signals, mode), signals, node, "rule")
-        sig, f_sig = dict(zip(SIGNAL_NAMES, signals)), dict(zip(SIGNAL_NAMES, f_signals))
-        from_signals = ("pos", "acc_attn", "key_norm", "value_norm")
-        phase3 = functools.partial(evict, keep=keep)
-        _splice(gm, _trace(phase3, [f_score, *[f_sig[a] for a in from_signals], f_totals,
-                                    *[fake[a] for a in evict_args]], mode),
-                [score, *[sig[a] for a in from_signals], totals, *[graph_in[a] for a in evict_args]],
+        # Splice each phase before the SDPA node, feeding its outputs to the next phase.
+        out, totals, *signals = _splice(gm, kt.measure, [graph_in[a] for a in _MEASURE_ARGS], node, "measure")
+        score = _splice(gm, kt.rule, signals, node, "rule")
+        sig = dict(zip(SIGNAL_NAMES, signals))
+        _splice(gm, kt.evict, [score, *[sig[a] for a in _EVICT_SIGNALS], totals, *[graph_in[a] for a in _EVICT_ARGS]],
                 node, "evict")
-
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
         report.rewritten.append(layer)
