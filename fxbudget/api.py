@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -10,7 +11,9 @@ import warnings
 
 import torch
 from torch import fx, nn
+from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .backend import INNER_BACKENDS, NoBudgetAttentionError, kernel_window, make_backend
 from .cache import BudgetCache, _layer_shapes
@@ -19,6 +22,12 @@ from .passes.sdpa import REGION_KEY
 from .rules import Rule, get
 
 log = logging.getLogger("fxbudget")
+
+# transformers' own SDPA attention under a name it has no mask function for: models then build no 4-D mask (it
+# would be unused, since visibility comes from positions, and shaped as if every layer held as many slots as layer 0,
+# which per-layer budgets break). The SDPA call itself is unchanged: it is what the pass rewrites.
+ATTN_IMPLEMENTATION = "fxbudget_sdpa"
+AttentionInterface.register(ATTN_IMPLEMENTATION, sdpa_attention_forward)
 
 
 def _check_int(name: str, value, low: int = 1) -> None:
@@ -113,6 +122,10 @@ class BudgetForward:
         self.window = kernel_window(rule)
         self.original = model.forward
         self._instance_forward = vars(model).get("forward")  # usually None: forward comes from the class
+        config = getattr(model, "config", None)
+        self._attn_implementation = getattr(config, "_attn_implementation", None)
+        if self._attn_implementation is not None:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
         gen_cfg = getattr(model, "generation_config", None)
         self._disable_compile = getattr(gen_cfg, "disable_compile", None)
         if gen_cfg is not None:
@@ -142,6 +155,8 @@ class BudgetForward:
             self.model.forward = self._instance_forward
         if getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.disable_compile = self._disable_compile
+        if self._attn_implementation is not None:
+            self.model.set_attn_implementation(self._attn_implementation)
         return self.model
 
     def new_cache(self, batch_size: int = 1, *, headroom: int | None = None) -> BudgetCache:
@@ -150,7 +165,12 @@ class BudgetForward:
             raise ValueError("this model has no .config: pass past_key_values=fxbudget.BudgetCache(config, budget)")
         p = next(self.model.parameters())
         return BudgetCache(self.model.config, self.budget, batch_size, dtype=p.dtype, device=p.device,
-                           headroom=self.headroom if headroom is None else headroom)
+                           headroom=self.headroom if headroom is None else headroom,
+                           layer_budgets=self.layer_budgets(self.model.config))
+
+    def layer_budgets(self, config) -> list[int] | None:
+        """The rule's per-layer budgets for this model's full-attention layers (None = uniform)."""
+        return self.rule.layer_budgets(self.budget, _layer_shapes(config)[4].count("full_attention"))
 
     def _resolve_cache(self, cache, batch: int) -> BudgetCache:
         if cache is None or (isinstance(cache, DynamicCache) and int(cache.get_seq_length()) == 0):
@@ -164,6 +184,10 @@ class BudgetForward:
         config = getattr(self.model, "config", None)
         if config is not None and cache.signature != _layer_shapes(config):
             raise ValueError("cache was built for another model (layers/heads/head_dim differ)")
+        expected = self.layer_budgets(config) if config is not None else None
+        if expected is not None and cache.layer_budgets != expected:
+            raise ValueError(f"rule {self.rule.name!r} needs per-layer budgets {expected}; this cache has "
+                             f"{cache.layer_budgets}: build it with fxbudget.BudgetCache(..., layer_budgets=...)")
         p = next(self.model.parameters(), None)
         if p is not None and (cache.dtype != p.dtype or cache.device != p.device):
             raise ValueError(f"cache is {cache.dtype} on {cache.device}, model is {p.dtype} on {p.device}; "
@@ -182,6 +206,9 @@ class BudgetForward:
             raise ValueError("padded batches are not supported yet: pass unpadded rows of equal length "
                              "(positions come from the cache, visibility from positions)")
         cache = self._resolve_cache(past_key_values, batch)
+        if self.rule.never_evicts and not cache._frozen and not cache.fits(n):
+            raise ValueError(f"rule {self.rule.name!r} keeps everything, but {n} more tokens overflow budget "
+                             f"{self.budget} ({cache.tokens_seen} seen): use a budget of at least the sequence")
         if position_ids is not None:
             seen = cache.tokens_seen
             expected = torch.arange(seen, seen + n, device=position_ids.device).expand(batch, n)
@@ -224,6 +251,20 @@ class BudgetForward:
         return out
 
 
+@contextlib.contextmanager
+def _maskless_attention(model):
+    """Run a transformers model with `ATTN_IMPLEMENTATION` for the duration (no-op for other modules)."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl is None or impl == ATTN_IMPLEMENTATION:
+        yield
+        return
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(impl)
+
+
 def _captured_graphs(model, input_ids, rule, budget, cache, rule_params) -> list[fx.GraphModule]:
     graphs: list[fx.GraphModule] = []
     fwd = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
@@ -232,8 +273,10 @@ def _captured_graphs(model, input_ids, rule, budget, cache, rule_params) -> list
         if getattr(model, "config", None) is None:
             raise ValueError("this model has no .config: pass cache=fxbudget.BudgetCache(config, budget)")
         p = next(model.parameters())
-        cache = BudgetCache(model.config, budget, input_ids.shape[0], dtype=p.dtype, device=p.device)
-    with torch.no_grad():
+        n_full = _layer_shapes(model.config)[4].count("full_attention")
+        cache = BudgetCache(model.config, budget, input_ids.shape[0], dtype=p.dtype, device=p.device,
+                            layer_budgets=backend.rule.layer_budgets(budget, n_full))
+    with torch.no_grad(), _maskless_attention(model):
         _compiled_forward(fwd, backend)(input_ids=input_ids, past_key_values=cache, use_cache=True)
     return graphs
 
@@ -257,7 +300,10 @@ def inspect(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
 
 def _node_key(node: fx.Node, names: dict[fx.Node, str]) -> str:
     def ref(a):
-        return names[a] if isinstance(a, fx.Node) else repr(a)
+        if isinstance(a, fx.Node):
+            return names[a]
+        # Sizes are ints: abstracted, so per-layer budgets (pyramidkv) and input lengths hash alike.
+        return "int" if isinstance(a, int) and not isinstance(a, bool) else repr(a)
 
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", str(node.target))
     if isinstance(node.target, torch._ops.OpOverload):
@@ -268,7 +314,9 @@ def _node_key(node: fx.Node, names: dict[fx.Node, str]) -> str:
 
 
 def graph_fingerprint(graphs: list[fx.GraphModule]) -> str:
-    """sha256 of the graphs' ops in order, each run of rule-region ops collapsed into one `<rule>` token."""
+    """sha256 of the graphs' ops, their order, data flow and non-integer arguments, each run of rule-region ops
+    collapsed into one `<rule>` token. Integer arguments (sizes) are left out: the budget, the window and the input
+    length are recorded beside the fingerprint, not in it."""
     h = hashlib.sha256()
     for gm in graphs:
         names: dict[fx.Node, str] = {}
@@ -291,6 +339,7 @@ def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor, *, rule: str |
                        budget: int = 1024, cache: BudgetCache | None = None, **rule_params) -> str:
     """Hash of the rewritten graph with the rule's ops abstracted: equal for every rule means one shared kernel.
 
+    Sizes are not part of it (see `graph_fingerprint`), so rules with per-layer budgets compare too.
     Args and model handling as for `inspect`. Returns a hex sha256 string.
     """
     _check_int("budget", budget)

@@ -145,10 +145,13 @@ class BudgetCache(Cache):
         dtype, device: of the cached keys/values (default: float32 on CPU); must match the model.
         headroom: extra slots filled while eviction is frozen (`with cache.frozen(): ...`), e.g. for the question
             and answer appended after a compressed context (DESIGN §6, query-agnostic protocol).
+        layer_budgets: per-layer budgets of the full-attention layers (e.g. PyramidKV's schedule); they must sum to
+            `budget` times the number of those layers, so the cache holds the same memory as a uniform one.
     """
 
     def __init__(self, config, budget: int, batch_size: int = 1, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, headroom: int = 0):
+                 device: torch.device | str | None = None, headroom: int = 0,
+                 layer_budgets: list[int] | None = None):
         for name, val, low in (("budget", budget, 1), ("batch_size", batch_size, 1), ("headroom", headroom, 0)):
             if isinstance(val, bool) or not isinstance(val, int) or val < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
@@ -156,18 +159,32 @@ class BudgetCache(Cache):
         cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         dtype = dtype or torch.get_default_dtype()
         device = torch.device(device or "cpu")
+        n_full = types.count("full_attention")
+        if layer_budgets is not None:
+            layer_budgets = list(layer_budgets)
+            if len(layer_budgets) != n_full or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                                                   for b in layer_budgets):
+                raise ValueError(f"layer_budgets must be {n_full} ints >= 1 (one per full-attention layer), "
+                                 f"got {layer_budgets}")
+            if sum(layer_budgets) != n_full * budget:
+                raise ValueError(f"layer_budgets sum to {sum(layer_budgets)}, not {n_full} layers x budget {budget} "
+                                 f"= {n_full * budget}: every rule must hold the same memory")
+        full_budgets = iter(layer_budgets or [budget] * n_full)
         layers = []
         for i, t in enumerate(types):
             sliding = cfg.sliding_window if t == "sliding_attention" else 0
+            b = sliding or next(full_budgets)
             layers.append(BudgetLayer(
-                layer=i, budget=sliding or budget, slots=sliding or budget + headroom, sliding=sliding,
+                layer=i, budget=b, slots=sliding or b + headroom, sliding=sliding,
                 batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
                 dtype=dtype, device=device))
         super().__init__(layers=layers)
         self.budget, self.headroom, self.dtype, self.device = budget, headroom, dtype, device
+        self.layer_budgets = [layer.budget for layer in self._budgeted()]
         self.signature = (n_layers, kv_heads, head_dim, heads, types)  # what the cache was built for
         self._frozen = False
-        self._held = 0  # entries held per budgeted layer, tracked on the Python side to check head-room up front
+        # Entries held per budgeted layer, tracked on the Python side to check head-room before a call runs.
+        self._held = [0] * len(self.layer_budgets)
 
     @property
     def batch_size(self) -> int:
@@ -204,22 +221,26 @@ class BudgetCache(Cache):
             for layer in self._budgeted():
                 layer.keep = layer.budget
 
+    def fits(self, n: int) -> bool:
+        """Whether `n` more tokens fit in every budgeted layer without evicting anything."""
+        return all(held + n <= b for held, b in zip(self._held, self.layer_budgets))
+
     def admit(self, n: int) -> None:
         """Account for a call of `n` new tokens before it runs; raises if frozen and the head-room is too small."""
         if self._frozen:
-            if self._held + n > self.budget + self.headroom:
+            if any(held + n > b + self.headroom for held, b in zip(self._held, self.layer_budgets)):
                 raise RuntimeError(
-                    f"eviction is frozen and {n} new tokens do not fit: {self._held} held, budget {self.budget} + "
-                    f"headroom {self.headroom}; build the cache with a larger headroom=")
-            self._held += n
+                    f"eviction is frozen and {n} new tokens do not fit: {max(self._held)} held, budget "
+                    f"{self.budget} + headroom {self.headroom}; build the cache with a larger headroom=")
+            self._held = [held + n for held in self._held]
         else:
-            self._held = min(self._held + n, self.budget)
+            self._held = [min(held + n, b) for held, b in zip(self._held, self.layer_budgets)]
 
     def reset(self) -> None:
         super().reset()
         for layer in self._budgeted():
             layer.keep = layer.budget
-        self._held, self._frozen = 0, False
+        self._held, self._frozen = [0] * len(self.layer_budgets), False
 
     def _budgeted(self):
         return [layer for layer in self.layers if not layer.sliding]

@@ -16,15 +16,28 @@ from hypothesis import strategies as st
 from fxbudget import rules
 from fxbudget.kernel import TOTALED, budget_attention
 
-RULES = ["window", "streamingllm", "knorm", "h2o", "snapkv"]
+# `full` is left out: it never evicts (a call that would is refused before it runs).
+RULES = ["window", "streamingllm", "knorm", "h2o", "snapkv", "pyramidkv", "tova", "keydiff", "random"]
 
 
-def ref_score(rule: str, entries, window_mass, budget, step, window):
+def ref_random(pos: int, head: int, seed: int = 0) -> float:
+    m, a = 2**31, 739982445
+    x = (pos + 1 + head * 1000003 + seed * 7919) % m
+    for _ in range(3):
+        x ^= x >> 15
+        x = x * a % m
+        x ^= x >> 12
+    return float(x >> 7)
+
+
+def ref_score(rule: str, entries, window_mass, last_mass, budget, step, window, head):
     """(protected, score) per entry, from the papers' formulas."""
     out = []
     order = sorted(range(len(entries)), key=lambda i: entries[i]["pos"])
     pooled = {}
-    if rule == "snapkv":  # max-pool (kernel 7) of observation-window attention along the sequence
+    if rule == "keydiff":
+        mean = torch.stack([e["k"] for e in entries]).mean(0)
+    if rule in ("snapkv", "pyramidkv"):  # max-pool (kernel 7) of observation-window attention along the sequence
         seq = [window_mass[i] for i in order]
         for j, i in enumerate(order):
             pooled[i] = max(seq[max(0, j - 3): j + 4])
@@ -38,18 +51,25 @@ def ref_score(rule: str, entries, window_mass, budget, step, window):
             out.append((False, -e["k"].norm().item()))
         elif rule == "h2o":
             out.append((p >= step - budget // 2, e["acc"]))
-        elif rule == "snapkv":
+        elif rule in ("snapkv", "pyramidkv"):  # one layer: pyramidkv is snapkv at that layer's budget
             out.append((p >= step - window, pooled[i]))
+        elif rule == "tova":
+            out.append((False, last_mass[i]))
+        elif rule == "keydiff":
+            out.append((False, -torch.nn.functional.cosine_similarity(e["k"], mean, dim=0).item()))
+        elif rule == "random":
+            out.append((False, ref_random(p, head)))
     return out
 
 
-def ref_call(entries, q, k_new, v_new, pos0, rule, budget, scale, window):
+def ref_call(entries, q, k_new, v_new, pos0, rule, budget, scale, window, head):
     """One call for one (row, KV head): q `[g, n, d]`; returns (output `[g, n, d]`, surviving entries)."""
     g, n, _ = q.shape
     cands = entries + [{"pos": pos0 + i, "k": k_new[i], "v": v_new[i], "acc": 0.0} for i in range(n)]
     out = torch.zeros(g, n, v_new.shape[-1], dtype=torch.float64)
     mass = [0.0] * len(cands)
     wmass = [0.0] * len(cands)
+    lmass = [0.0] * len(cands)
     for j in range(g):
         for i in range(n):
             vis = [c for c, e in enumerate(cands) if e["pos"] <= pos0 + i]
@@ -60,10 +80,12 @@ def ref_call(entries, q, k_new, v_new, pos0, rule, budget, scale, window):
                 mass[c] += p[t].item()
                 if i >= n - min(window, n):
                     wmass[c] += p[t].item()
+                if i == n - 1:
+                    lmass[c] += p[t].item()
     for c, e in enumerate(cands):
         e["acc"] = e["acc"] + mass[c]
     step = pos0 + n
-    scored = ref_score(rule, cands, wmass, budget, step, min(window, n))
+    scored = ref_score(rule, cands, wmass, lmass, budget, step, min(window, n), head)
     # Protected entries outrank all others and, among themselves, the newer wins (their score is +inf).
     key = {c: (math.inf if prot else score, cands[c]["pos"]) for c, (prot, score) in enumerate(scored)}
     ranked = sorted(range(len(cands)), key=key.__getitem__, reverse=True)
@@ -85,8 +107,8 @@ def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim
     state = torch.zeros(b, h, budget, **f64)
     norms = torch.zeros(b, h, budget, 2, **f64)
     totals = torch.zeros(b, h, len(TOTALED), **f64)
-    rule_obj = rules.get(rule)
     window = 4  # small observation window so chunks are longer than it
+    rule_obj = rules.get(rule, window=window) if rule in ("snapkv", "pyramidkv") else rules.get(rule)
     scale = 1 / math.sqrt(d)
     ref = [[[] for _ in range(h)] for _ in range(b)]
     pos0 = 0
@@ -101,7 +123,7 @@ def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim
             for hi in range(h):
                 qh = q[bi, hi * g:(hi + 1) * g]
                 ref_out, ref[bi][hi] = ref_call(ref[bi][hi], qh, k_new[bi, hi], v_new[bi, hi], pos0, rule, budget,
-                                                scale, window)
+                                                scale, window, hi)
                 torch.testing.assert_close(out[bi, hi * g:(hi + 1) * g], ref_out, rtol=1e-9, atol=1e-9)
                 # The stored total of attention mass: every query distributes exactly 1.
                 assert abs(totals[bi, hi, 0].item() - g * n) < 1e-9

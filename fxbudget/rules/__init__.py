@@ -5,17 +5,27 @@ A rule is a dataclass (fields = hyperparameters) subclassing `Rule`, with a `sco
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .base import Rule, Signals, recent
 
 _REGISTRY: dict[str, type[Rule]] = {}
 
 
 def register(name: str):
-    """Class decorator: register a `Rule` subclass under `name` (used by `get` and `fxbudget.compile(rule=name)`)."""
+    """Decorator: register a rule under `name`, for `get` and `fxbudget.compile(rule=name)`.
 
-    def deco(cls: type[Rule]) -> type[Rule]:
-        if not (isinstance(cls, type) and issubclass(cls, Rule)):
-            raise TypeError(f"@register({name!r}) expects a subclass of fxbudget.rules.Rule, got {cls!r}")
+    Decorates a `Rule` subclass (a dataclass whose fields are hyperparameters), or a plain scoring function
+    `score(signals) -> Tensor` (higher = keep), which becomes a parameterless rule.
+    """
+
+    def deco(obj):
+        if isinstance(obj, type) and issubclass(obj, Rule):
+            cls = obj
+        elif callable(obj) and not isinstance(obj, type):
+            cls = dataclass(type(obj.__name__, (Rule,), {"score": staticmethod(obj), "__doc__": obj.__doc__}))
+        else:
+            raise TypeError(f"@register({name!r}) expects a Rule subclass or a scoring function, got {obj!r}")
         cls.name = name
         _REGISTRY[name] = cls
         return cls
@@ -45,6 +55,7 @@ def get(rule: str | Rule, **params) -> Rule:
 
 
 # Built-in rules register themselves on import.
-from . import h2o, knorm, snapkv, streamingllm, window  # noqa: E402,F401
+from . import full, h2o, keydiff, knorm, pyramidkv, random, snapkv, streamingllm, tova, window  # noqa: E402,F401
+from .pyramidkv import Pyramid, pyramid_budgets  # noqa: E402
 
-__all__ = ["Rule", "Signals", "available", "get", "recent", "register"]
+__all__ = ["Pyramid", "Rule", "Signals", "available", "get", "pyramid_budgets", "recent", "register"]

@@ -85,6 +85,12 @@ class Rule:
 
     name: ClassVar[str] = ""
     window: int | None = None
+    never_evicts: ClassVar[bool] = False  # True for `full`: a call that would overflow the budget is an error
+
+    def layer_budgets(self, budget: int, n_layers: int) -> list[int] | None:
+        """Per-layer budgets for the `n_layers` budgeted layers (None = `budget` for all); must sum to
+        `n_layers * budget`, so every rule holds the same memory."""
+        return None
 
     def score(self, s: Signals) -> Tensor:
         raise NotImplementedError
@@ -94,7 +100,7 @@ class Rule:
 
     def params(self) -> dict:
         """Hyperparameters, for result rows and error messages."""
-        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "name"}
 
     def __str__(self) -> str:
         inner = ", ".join(f"{k}={v!r}" for k, v in self.params().items())

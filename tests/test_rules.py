@@ -1,0 +1,116 @@
+"""Rule library: protected sets at their boundary, seeded randomness, per-layer budgets, user-defined rules."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxbudget
+from fxbudget import rules
+from fxbudget.kernel import TOTALED, budget_attention
+from conftest import fresh, tiny_model
+
+
+def _kept_after_one_call(rule, budget, n=20, seed=0):
+    """Positions kept by one call of `n` tokens into an empty cache of `budget` slots (1 row, 2 KV heads)."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, d = 1, 2, 8
+    z = torch.zeros(b, h, budget, d)
+    pos = torch.full((b, h, budget), -1)
+    budget_attention(torch.randn(b, 2 * h, n, d, generator=gen), z, z.clone(), pos, torch.zeros(b, h, budget),
+                     torch.zeros(b, h, budget, 2), torch.zeros(b, h, len(TOTALED)),
+                     torch.randn(b, h, n, d, generator=gen), torch.randn(b, h, n, d, generator=gen), torch.arange(n),
+                     rule=rule, budget=budget, window=rule.window or 32)
+    return [sorted(p for p in row.tolist() if p >= 0) for row in pos[0]]
+
+
+def test_streamingllm_sinks_at_boundary():
+    assert _kept_after_one_call(rules.get("streamingllm"), 4) == [[0, 1, 2, 3]] * 2
+    assert _kept_after_one_call(rules.get("streamingllm"), 5) == [[0, 1, 2, 3, 19]] * 2
+
+
+def test_snapkv_window_at_boundary():
+    assert _kept_after_one_call(rules.get("snapkv", window=4), 4) == [[16, 17, 18, 19]] * 2
+    for row in _kept_after_one_call(rules.get("snapkv", window=4), 5):
+        assert row[-4:] == [16, 17, 18, 19] and len(row) == 5 and row[0] < 16
+
+
+def test_h2o_recent_window_at_boundary():
+    assert _kept_after_one_call(rules.get("h2o", recent_ratio=1.0), 6) == [list(range(14, 20))] * 2
+    for row in _kept_after_one_call(rules.get("h2o", recent_ratio=0.5), 6):
+        assert row[-3:] == [17, 18, 19] and len(row) == 6
+
+
+def test_random_is_seeded():
+    a = _kept_after_one_call(rules.get("random", seed=0), 8)
+    assert a == _kept_after_one_call(rules.get("random", seed=0), 8, seed=1)  # the draw ignores the inputs
+    assert a != _kept_after_one_call(rules.get("random", seed=1), 8)
+    assert a[0] != a[1]  # heads draw independently
+
+
+def test_tova_share_heads_keeps_one_set_per_layer():
+    shared = _kept_after_one_call(rules.get("tova", share_heads=True), 6)
+    assert shared[0] == shared[1]
+    assert len({tuple(r) for r in _kept_after_one_call(rules.get("tova"), 6)}) == 2
+
+
+def test_pyramid_budgets_sum_exactly_and_memory_matches_uniform():
+    for budget, layers, beta, window in ((256, 24, 20, 32), (64, 7, 5, 8), (40, 2, 20, 32), (33, 3, 2, 32)):
+        b = rules.pyramid_budgets(budget, layers, beta, window)
+        assert sum(b) == budget * layers and b == sorted(b, reverse=True) and min(b) >= 1
+    model = tiny_model("llama", layers=4)
+    m = fxbudget.compile(fresh(model), rule="pyramidkv", budget=48, window=8, backend=None)
+    cache = m.forward.new_cache()
+    assert cache.layer_budgets != [48] * 4 and cache.kv_bytes() == fxbudget.BudgetCache(model.config, 48).kv_bytes()
+    with pytest.raises(ValueError, match="sum to 100, not 4 layers x budget 48"):
+        fxbudget.BudgetCache(model.config, 48, layer_budgets=[40, 30, 20, 10])
+    with pytest.raises(ValueError, match="needs per-layer budgets"):
+        m(input_ids=torch.zeros(1, 3, dtype=torch.long), past_key_values=fxbudget.BudgetCache(model.config, 48))
+    with torch.no_grad():
+        cache = m(input_ids=torch.randint(0, 96, (1, 70))).past_key_values
+    held = [int((cache.positions(i)[0, 0] >= 0).sum()) for i in range(4)]
+    assert held == [min(70, b) for b in cache.layer_budgets]
+
+
+def test_pyramid_wraps_any_rule():
+    p = rules.Pyramid(rules.get("h2o"), beta=4)
+    assert p.layer_budgets(64, 4) == rules.pyramid_budgets(64, 4, 4, 0) and p.name == "pyramid(h2o)"
+    model = tiny_model("llama", layers=2)
+    m = fxbudget.compile(fresh(model), rule=p, budget=16, backend=None)
+    with torch.no_grad():
+        cache = m(input_ids=torch.randint(0, 96, (1, 40))).past_key_values
+    assert cache.layer_budgets == [28, 4]
+
+
+def _readme_example() -> str:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    return re.search(r"<!-- user-rule-example -->\s*```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_readme_user_rule_example_runs_and_shares_the_kernel():
+    code = _readme_example()
+    assert len(code.strip().splitlines()) <= 20
+    model = tiny_model("llama")
+    ns = {"model": fresh(model)}
+    exec(compile(code, "README.md", "exec"), ns)
+    assert "late_heavy" in rules.available()
+    m = ns["model"]
+    m.forward.restore()
+    fxbudget.compile(m, rule="late_heavy", budget=16, backend=None)
+    with torch.no_grad():
+        cache = m(input_ids=torch.randint(0, 96, (1, 30))).past_key_values
+    assert int((cache.positions(0) >= 0).sum(-1).max()) == 16
+    ids = torch.randint(0, 96, (1, 12))
+    assert fxbudget.kernel_fingerprint(model, ids, rule="late_heavy", budget=40) == \
+        fxbudget.kernel_fingerprint(model, ids, rule="snapkv", budget=40)
+
+
+def test_function_rule():
+    @rules.register("newest_first_fn")
+    def newest(s):
+        """Keep the newest tokens."""
+        return s.pos.float()
+
+    assert isinstance(rules.get("newest_first_fn"), rules.Rule)
+    assert _kept_after_one_call(rules.get("newest_first_fn"), 5) == [[15, 16, 17, 18, 19]] * 2
