@@ -85,6 +85,10 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
     _validate(model, budget, backend, chunk_size)
     rule_obj = get(rule, **rule_params)
     _check_int("headroom", headroom, 0)
+    if rule_obj.needs_rope and getattr(model, "config", None) is not None \
+            and not BudgetCache(model.config, 1).has_rope:
+        raise ValueError(f"rule {rule_obj.name!r} needs the model's RoPE frequencies, and this model does not use "
+                         "default RoPE on its full-attention layers")
     model.forward = BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend,
                                   headroom=headroom)
     return model
@@ -184,6 +188,8 @@ class BudgetForward:
         config = getattr(self.model, "config", None)
         if config is not None and cache.signature != _layer_shapes(config):
             raise ValueError("cache was built for another model (layers/heads/head_dim differ)")
+        if self.rule.needs_rope and not cache.has_rope:
+            raise ValueError(f"rule {self.rule.name!r} needs RoPE frequencies this cache does not have")
         expected = self.layer_budgets(config) if config is not None else None
         if expected is not None and cache.layer_budgets != expected:
             raise ValueError(f"rule {self.rule.name!r} needs per-layer budgets {expected}; this cache has "

@@ -21,19 +21,21 @@ from .kernel import TOTALED
 @torch.library.custom_op("fxbudget::candidates", mutates_args=())
 def candidates(
     k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, layer: int, budget: int, keep: int, sliding: int,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, layer: int, budget: int, keep: int, sliding: int,
 ) -> tuple[Tensor, Tensor]:
     """Marker: the candidate keys/values (slots then new tokens), as a plain cache would hand them to SDPA."""
     return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
 
 
 @candidates.register_fake
-def _(k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, layer, budget, keep, sliding):
+def _(k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq, layer, budget, keep,
+      sliding):
     return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
 
 
 # Positional argument names of the marker, shared by the pass and the eager interceptor.
-MARKER_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms", "totals", "k_new", "v_new", "new_pos")
+MARKER_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms", "totals", "k_new", "v_new", "new_pos",
+                  "inv_freq")
 MARKER_STATICS = ("layer", "budget", "keep", "sliding")
 
 
@@ -58,7 +60,8 @@ class BudgetLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, *, layer: int, budget: int, slots: int, sliding: int, batch_size: int, kv_heads: int,
-                 head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device):
+                 head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device,
+                 inv_freq: Tensor | None = None):
         super().__init__()
         self.layer, self.budget, self.slots, self.sliding = layer, budget, slots, sliding
         self.is_sliding = bool(sliding)
@@ -73,6 +76,8 @@ class BudgetLayer(CacheLayerMixin):
         self.totals = torch.zeros(batch_size, kv_heads, len(TOTALED), dtype=torch.float32, device=device)
         self.seen = torch.zeros((), dtype=torch.long, device=device)  # total tokens seen: RoPE keeps counting
         self.keep = budget  # entries kept per call: the budget, or every slot while eviction is frozen
+        # RoPE frequencies of this layer's keys/queries (a signal for rules that model future queries); NaN if unknown.
+        self.inv_freq = (inv_freq if inv_freq is not None else torch.full((head_dim // 2,), float("nan"))).to(device)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states):  # allocated eagerly in __init__
@@ -83,7 +88,7 @@ class BudgetLayer(CacheLayerMixin):
         new_pos = torch.arange(n, device=self.device) + self.seen
         self.seen.add_(n)
         tensors = (self.keys, self.values, self.pos, self.state, self.norms, self.totals, key_states, value_states,
-                   new_pos)
+                   new_pos, self.inv_freq)
         k, v = torch.ops.fxbudget.candidates(*tensors, self.layer, self.budget, self.keep, self.sliding)
         if not torch.compiler.is_compiling():
             from .eager import require_interceptor  # eager: the interceptor must be active, or SDPA would be wrong
@@ -112,6 +117,16 @@ class BudgetLayer(CacheLayerMixin):
         self.norms.zero_()
         self.totals.zero_()
         self.seen.zero_()
+
+
+def _rope_inv_freq(cfg, layer_type: str, head_dim: int) -> Tensor | None:
+    """Default-RoPE inverse frequencies of a layer type, or None when the model uses another RoPE variant."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    params = params.get(layer_type, params)
+    if params.get("rope_type", "default") != "default" or "rope_theta" not in params \
+            or getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
+        return None
+    return 1.0 / params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
 
 
 def _layer_shapes(config) -> tuple[int, int, int, int, tuple[str, ...]]:
@@ -177,10 +192,11 @@ class BudgetCache(Cache):
             layers.append(BudgetLayer(
                 layer=i, budget=b, slots=sliding or b + headroom, sliding=sliding,
                 batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
-                dtype=dtype, device=device))
+                dtype=dtype, device=device, inv_freq=_rope_inv_freq(cfg, t, head_dim)))
         super().__init__(layers=layers)
         self.budget, self.headroom, self.dtype, self.device = budget, headroom, dtype, device
         self.layer_budgets = [layer.budget for layer in self._budgeted()]
+        self.has_rope = not any(bool(layer.inv_freq.isnan().any()) for layer in self._budgeted())
         self.signature = (n_layers, kv_heads, head_dim, heads, types)  # what the cache was built for
         self._frozen = False
         # Entries held per budgeted layer, tracked on the Python side to check head-room before a call runs.

@@ -28,7 +28,7 @@ DEFAULT_WINDOW = 32  # observation window shared by all rules of a run (snapkv's
 # Names of the tensors `measure` returns after the attention output and the totals: the `Signals` tensor fields.
 SIGNAL_NAMES = (
     "attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "queries", "k_slots", "k_new",
-    "new_pos",
+    "new_pos", "inv_freq",
 )
 # The computed signals whose per-call totals are stored (`BudgetLayer.totals`, `[batch, kv_heads, 8]`). Storing them
 # makes every signal a live value for every rule: dead-code elimination cannot give one rule a cheaper kernel.
@@ -37,7 +37,8 @@ TOTALED = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_no
 
 def measure(
     q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, *, window: int, sliding: int, scale: float | None,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, *, window: int, sliding: int,
+    scale: float | None,
 ) -> tuple[Tensor, ...]:
     """Attention output `[batch, q_heads, n, head_dim]`, signal totals, then the signal tensors (`SIGNAL_NAMES`)."""
     b, h, S, d = k_slots.shape
@@ -79,7 +80,7 @@ def measure(
     totaled = (attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos)
     totals = torch.stack([x.to(acc).sum(dim=-1) for x in totaled], dim=-1)
     return (out, totals, attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, queries, k_slots, k_new,
-            new_pos)
+            new_pos, inv_freq)
 
 
 def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tensor:
@@ -145,7 +146,7 @@ def evict(
 
 def budget_attention(
     q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, *,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor | None = None, *,
     rule: Rule, budget: int, keep: int | None = None, sliding: int = 0, window: int = DEFAULT_WINDOW,
     scale: float | None = None,
 ) -> Tensor:
@@ -160,6 +161,7 @@ def budget_attention(
         totals: `[batch, kv_heads, len(TOTALED)]`, receives each signal's total over the candidates of this call.
         k_new, v_new: this call's keys/values `[batch, kv_heads, n, head_dim]`.
         new_pos: positions of the new tokens `[n]` (the same for every row: no padding).
+        inv_freq: RoPE inverse frequencies `[head_dim // 2]` (a signal; NaN = unknown, the default).
         rule: the scoring rule. budget: the layer's budget, for rules.
         keep: how many candidates to keep (default `budget`; all `S` slots while eviction is frozen).
         sliding: sliding-window size for sliding layers, 0 for full attention.
@@ -168,8 +170,10 @@ def budget_attention(
     Returns:
         The attention output `[batch, q_heads, n, head_dim]`, exact over the visible candidates.
     """
+    if inv_freq is None:
+        inv_freq = torch.full((k_slots.shape[-1] // 2,), float("nan"), device=k_slots.device)
     out, new_totals, *signals = measure(q, k_slots, v_slots, pos_slots, state, norms, k_new, v_new, new_pos,
-                                        window=window, sliding=sliding, scale=scale)
+                                        inv_freq, window=window, sliding=sliding, scale=scale)
     score = rule_region(rule, budget, min(window, k_new.shape[2]), *signals)
     sig = dict(zip(SIGNAL_NAMES, signals))
     evict(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], new_totals,

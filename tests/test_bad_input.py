@@ -125,3 +125,12 @@ def test_bad_cache_arguments(model):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fxbudget.BudgetCache(model.config, 4, headroom=0)
+
+
+def test_expected_attention_needs_default_rope():
+    cfg = LlamaConfig(num_hidden_layers=1, **COMMON)
+    cfg.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    model = LlamaForCausalLM(cfg)
+    with pytest.raises(ValueError, match="needs the model's RoPE frequencies"):
+        fxbudget.compile(model, rule="expected_attention", budget=8)
+    _untouched(model)

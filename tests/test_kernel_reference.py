@@ -17,7 +17,39 @@ from fxbudget import rules
 from fxbudget.kernel import TOTALED, budget_attention
 
 # `full` is left out: it never evicts (a call that would is refused before it runs).
-RULES = ["window", "streamingllm", "knorm", "h2o", "snapkv", "pyramidkv", "tova", "keydiff", "random"]
+RULES = ["window", "streamingllm", "knorm", "h2o", "snapkv", "pyramidkv", "tova", "keydiff", "random",
+         "expected_attention"]
+N_FUTURE = 16  # expected_attention's future positions, small for the test
+
+
+def ref_expected_attention(entries, q_rot, qpos, step, inv_freq, n_sink=4):
+    """kvpress's formula, written out per query head: statistics of the un-rotated queries, the rotation matrix
+    averaged over the next N_FUTURE positions, a softmax over the non-sink keys, times the value norms."""
+    g, n, d = q_rot.shape
+    half = d // 2
+
+    def rotation(theta):  # the RoPE matrix of one position: (x_i, x_i+half) rotated by theta_i
+        R = torch.zeros(d, d, dtype=torch.float64)
+        for i in range(half):
+            c, s = math.cos(theta[i]), math.sin(theta[i])
+            R[i, i], R[i, i + half], R[i + half, i], R[i + half, i + half] = c, -s, s, c
+        return R
+
+    used = [i for i in range(n) if qpos[i] >= n_sink] or list(range(n))
+    R_future = sum(rotation([(step + f) * w for w in inv_freq]) for f in range(N_FUTURE)) / N_FUTURE
+    scoreable = [c for c, e in enumerate(entries) if e["pos"] >= n_sink]
+    total = torch.zeros(len(entries), dtype=torch.float64)
+    for j in range(g):
+        pre = torch.stack([rotation([qpos[i] * w for w in inv_freq]).T @ q_rot[j, i] for i in used])
+        mu = pre.mean(0)
+        cov = (pre - mu).T @ (pre - mu) / len(used)
+        mu, cov = R_future @ mu, R_future @ cov @ R_future.T
+        if not scoreable:
+            continue
+        z = torch.stack([mu @ entries[c]["k"] / math.sqrt(d) + entries[c]["k"] @ cov @ entries[c]["k"] / (2 * d)
+                         for c in scoreable])
+        total[scoreable] += torch.softmax(z, 0)
+    return [(total[c] / g * entries[c]["v"].norm()).item() for c in range(len(entries))]
 
 
 def ref_random(pos: int, head: int, seed: int = 0) -> float:
@@ -30,7 +62,7 @@ def ref_random(pos: int, head: int, seed: int = 0) -> float:
     return float(x >> 7)
 
 
-def ref_score(rule: str, entries, window_mass, last_mass, budget, step, window, head):
+def ref_score(rule: str, entries, window_mass, last_mass, budget, step, window, head, ea=None):
     """(protected, score) per entry, from the papers' formulas."""
     out = []
     order = sorted(range(len(entries)), key=lambda i: entries[i]["pos"])
@@ -59,10 +91,12 @@ def ref_score(rule: str, entries, window_mass, last_mass, budget, step, window, 
             out.append((False, -torch.nn.functional.cosine_similarity(e["k"], mean, dim=0).item()))
         elif rule == "random":
             out.append((False, ref_random(p, head)))
+        elif rule == "expected_attention":
+            out.append((p < 4, ea[i]))
     return out
 
 
-def ref_call(entries, q, k_new, v_new, pos0, rule, budget, scale, window, head):
+def ref_call(entries, q, k_new, v_new, pos0, rule, budget, scale, window, head, inv_freq):
     """One call for one (row, KV head): q `[g, n, d]`; returns (output `[g, n, d]`, surviving entries)."""
     g, n, _ = q.shape
     cands = entries + [{"pos": pos0 + i, "k": k_new[i], "v": v_new[i], "acc": 0.0} for i in range(n)]
@@ -85,7 +119,9 @@ def ref_call(entries, q, k_new, v_new, pos0, rule, budget, scale, window, head):
     for c, e in enumerate(cands):
         e["acc"] = e["acc"] + mass[c]
     step = pos0 + n
-    scored = ref_score(rule, cands, wmass, lmass, budget, step, min(window, n), head)
+    ea = ref_expected_attention(cands, q, list(range(pos0, pos0 + n)), step, inv_freq) \
+        if rule == "expected_attention" else None
+    scored = ref_score(rule, cands, wmass, lmass, budget, step, min(window, n), head, ea)
     # Protected entries outrank all others and, among themselves, the newer wins (their score is +inf).
     key = {c: (math.inf if prot else score, cands[c]["pos"]) for c, (prot, score) in enumerate(scored)}
     ranked = sorted(range(len(cands)), key=key.__getitem__, reverse=True)
@@ -108,7 +144,10 @@ def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim
     norms = torch.zeros(b, h, budget, 2, **f64)
     totals = torch.zeros(b, h, len(TOTALED), **f64)
     window = 4  # small observation window so chunks are longer than it
-    rule_obj = rules.get(rule, window=window) if rule in ("snapkv", "pyramidkv") else rules.get(rule)
+    params = {"snapkv": {"window": window}, "pyramidkv": {"window": window},
+              "expected_attention": {"n_future_positions": N_FUTURE}}
+    rule_obj = rules.get(rule, **params.get(rule, {}))
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     scale = 1 / math.sqrt(d)
     ref = [[[] for _ in range(h)] for _ in range(b)]
     pos0 = 0
@@ -117,13 +156,13 @@ def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim
         k_new = torch.randn(b, h, n, d, generator=gen, **f64)
         v_new = torch.randn(b, h, n, d, generator=gen, **f64)
         new_pos = torch.arange(pos0, pos0 + n)
-        out = budget_attention(q, k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos,
+        out = budget_attention(q, k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq,
                                rule=rule_obj, budget=budget, window=window)
         for bi in range(b):
             for hi in range(h):
                 qh = q[bi, hi * g:(hi + 1) * g]
                 ref_out, ref[bi][hi] = ref_call(ref[bi][hi], qh, k_new[bi, hi], v_new[bi, hi], pos0, rule, budget,
-                                                scale, window, hi)
+                                                scale, window, hi, inv_freq.tolist())
                 torch.testing.assert_close(out[bi, hi * g:(hi + 1) * g], ref_out, rtol=1e-9, atol=1e-9)
                 # The stored total of attention mass: every query distributes exactly 1.
                 assert abs(totals[bi, hi, 0].item() - g * n) < 1e-9

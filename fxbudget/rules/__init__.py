@@ -55,7 +55,9 @@ def get(rule: str | Rule, **params) -> Rule:
 
 
 # Built-in rules register themselves on import.
-from . import full, h2o, keydiff, knorm, pyramidkv, random, snapkv, streamingllm, tova, window  # noqa: E402,F401
+from . import (  # noqa: E402,F401
+    expected_attention, full, h2o, keydiff, knorm, pyramidkv, random, snapkv, streamingllm, tova, window,
+)
 from .pyramidkv import Pyramid, pyramid_budgets  # noqa: E402
 
 __all__ = ["Pyramid", "Rule", "Signals", "available", "get", "pyramid_budgets", "recent", "register"]

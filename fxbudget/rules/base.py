@@ -32,6 +32,8 @@ class Signals:
         queries: this call's queries grouped per KV head, `[batch, kv_heads, group * n, head_dim]`.
         k_slots, k_new: cached keys `[batch, kv_heads, S, head_dim]` and this call's keys (`keys` joins them).
         new_pos: positions of this call's tokens `[n]`; `step` is the total seen after the call.
+        inv_freq: the layer's RoPE inverse frequencies `[head_dim // 2]` (NaN if the model's RoPE is not the default
+            kind); `queries` and keys are post-RoPE.
         budget: the number of slots the layer keeps (a Python int, fixed at compile time).
         window: the observation window used for `window_attn` (a Python int, <= n).
     """
@@ -47,6 +49,7 @@ class Signals:
     k_slots: Tensor
     k_new: Tensor
     new_pos: Tensor
+    inv_freq: Tensor
     budget: int
     window: int
 
@@ -86,6 +89,7 @@ class Rule:
     name: ClassVar[str] = ""
     window: int | None = None
     never_evicts: ClassVar[bool] = False  # True for `full`: a call that would overflow the budget is an error
+    needs_rope: ClassVar[bool] = False  # True if `score` reads `inv_freq`: models without default RoPE are refused
 
     def layer_budgets(self, budget: int, n_layers: int) -> list[int] | None:
         """Per-layer budgets for the `n_layers` budgeted layers (None = `budget` for all); must sum to
