@@ -116,6 +116,21 @@ def _compiled_forward(forward, backend):
     return lambda **kwargs: entry(forward, kwargs)
 
 
+def _layer_budgets(rule: Rule, budget: int, config) -> list[int] | None:
+    """The rule's per-layer budgets for this model's full-attention layers (None = uniform)."""
+    return rule.layer_budgets(budget, _layer_shapes(config)[4].count("full_attention"))
+
+
+def model_cache(model: nn.Module, rule: Rule, budget: int, batch_size: int = 1, *,
+                headroom: int = 0) -> BudgetCache:
+    """A fresh `BudgetCache` for `model` (its config, dtype and device) and `rule`'s per-layer budgets."""
+    if getattr(model, "config", None) is None:
+        raise ValueError("this model has no .config: pass a fxbudget.BudgetCache(config, budget) explicitly")
+    p = next(model.parameters())
+    return BudgetCache(model.config, budget, batch_size, dtype=p.dtype, device=p.device, headroom=headroom,
+                       layer_budgets=_layer_budgets(rule, budget, model.config))
+
+
 class BudgetForward:
     """The wrapped forward of a model compiled by fxbudget (installed as `model.forward`)."""
 
@@ -136,6 +151,8 @@ class BudgetForward:
             gen_cfg.disable_compile = True  # generate() must not compile the forward again with its own settings
         self.graphs: list[fx.GraphModule] = []  # rewritten graphs compiled so far (one per input shape)
         self._verified = False
+        self._checked_cache: BudgetCache | None = None
+        self._sliding_rule = get("window")  # the rule of sliding-window layers (eager path)
         if backend is None:
             self._run = self._run_eager
         else:
@@ -143,7 +160,7 @@ class BudgetForward:
                 self.original, make_backend(rule, inner=backend, on_graph=self.graphs.append))
 
     def _run_eager(self, *args, **kwargs):
-        with BudgetAttentionMode(self.rule, self.window, get("window")) as mode:
+        with BudgetAttentionMode(self.rule, self.window, self._sliding_rule) as mode:
             out = self.original(*args, **kwargs)
         if mode.pending:  # the same failure the graph pass reports when it finds no SDPA to rewrite
             raise NoBudgetAttentionError(
@@ -165,22 +182,16 @@ class BudgetForward:
 
     def new_cache(self, batch_size: int = 1, *, headroom: int | None = None) -> BudgetCache:
         """A fresh `BudgetCache` for this model (its dtype and device)."""
-        if getattr(self.model, "config", None) is None:
-            raise ValueError("this model has no .config: pass past_key_values=fxbudget.BudgetCache(config, budget)")
-        p = next(self.model.parameters())
-        return BudgetCache(self.model.config, self.budget, batch_size, dtype=p.dtype, device=p.device,
-                           headroom=self.headroom if headroom is None else headroom,
-                           layer_budgets=self.layer_budgets(self.model.config))
-
-    def layer_budgets(self, config) -> list[int] | None:
-        """The rule's per-layer budgets for this model's full-attention layers (None = uniform)."""
-        return self.rule.layer_budgets(self.budget, _layer_shapes(config)[4].count("full_attention"))
+        return model_cache(self.model, self.rule, self.budget, batch_size,
+                           headroom=self.headroom if headroom is None else headroom)
 
     def _resolve_cache(self, cache, batch: int) -> BudgetCache:
         if cache is None or (isinstance(cache, DynamicCache) and int(cache.get_seq_length()) == 0):
             return self.new_cache(batch)  # generate() hands an empty DynamicCache on its first call
         if not isinstance(cache, BudgetCache):
             raise TypeError(f"past_key_values must be a fxbudget.BudgetCache, got {type(cache).__name__}")
+        if cache is self._checked_cache and cache.batch_size == batch:
+            return cache  # its model, dtype, device and budgets were checked on an earlier call and cannot change
         if cache.budget != self.budget:
             raise ValueError(f"cache budget {cache.budget} differs from the compiled budget {self.budget}")
         if cache.batch_size != batch:
@@ -190,7 +201,7 @@ class BudgetForward:
             raise ValueError("cache was built for another model (layers/heads/head_dim differ)")
         if self.rule.needs_rope and not cache.has_rope:
             raise ValueError(f"rule {self.rule.name!r} needs RoPE frequencies this cache does not have")
-        expected = self.layer_budgets(config) if config is not None else None
+        expected = _layer_budgets(self.rule, self.budget, config) if config is not None else None
         if expected is not None and cache.layer_budgets != expected:
             raise ValueError(f"rule {self.rule.name!r} needs per-layer budgets {expected}; this cache has "
                              f"{cache.layer_budgets}: build it with fxbudget.BudgetCache(..., layer_budgets=...)")
@@ -198,6 +209,7 @@ class BudgetForward:
         if p is not None and (cache.dtype != p.dtype or cache.device != p.device):
             raise ValueError(f"cache is {cache.dtype} on {cache.device}, model is {p.dtype} on {p.device}; "
                              "build it with BudgetCache(..., dtype=, device=) matching the model")
+        self._checked_cache = cache
         return cache
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -276,12 +288,7 @@ def _captured_graphs(model, input_ids, rule, budget, cache, rule_params) -> list
     fwd = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
     backend = make_backend(rule, inner="eager", on_graph=graphs.append, **rule_params)
     if cache is None:
-        if getattr(model, "config", None) is None:
-            raise ValueError("this model has no .config: pass cache=fxbudget.BudgetCache(config, budget)")
-        p = next(model.parameters())
-        n_full = _layer_shapes(model.config)[4].count("full_attention")
-        cache = BudgetCache(model.config, budget, input_ids.shape[0], dtype=p.dtype, device=p.device,
-                            layer_budgets=backend.rule.layer_budgets(budget, n_full))
+        cache = model_cache(model, backend.rule, budget, input_ids.shape[0])
     with torch.no_grad(), _maskless_attention(model):
         _compiled_forward(fwd, backend)(input_ids=input_ids, past_key_values=cache, use_cache=True)
     return graphs
