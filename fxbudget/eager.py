@@ -7,6 +7,7 @@ instead, exactly as the compiled graph does after the pass. This is the test ora
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -77,6 +78,21 @@ class BudgetAttentionMode(TorchFunctionMode):
         return out
 
 
+@contextlib.contextmanager
+def recording():
+    """Collect `(query, MarkerCall, scale)` of every eager kernel call inside, in call order.
+
+    The harness uses this to run one shared prefill and replay each layer's kernel call on other caches
+    (`fxbudget.harness.branch`): in a call on an empty cache the layer's output does not depend on the rule.
+    """
+    prev = getattr(_active, "record", None)
+    _active.record = calls = []
+    try:
+        yield calls
+    finally:
+        _active.record = prev
+
+
 def run_kernel(query, call, scale, cfg: BudgetAttentionMode):
     """`budget_attention` for one marker call, with the rule the layer uses (sliding layers keep their window)."""
     n = call.tensors[MARKER_TENSORS.index("k_new")].shape[2]
@@ -85,6 +101,9 @@ def run_kernel(query, call, scale, cfg: BudgetAttentionMode):
             f"SDPA query of shape {tuple(query.shape)} does not match layer {call.layer}'s cache call "
             f"(n={n}, kv_heads={call.tensors[0].shape[1]}); expected [batch, q_heads, n, head_dim]")
     cfg.pending.pop(id(call), None)
+    record = getattr(_active, "record", None)
+    if record is not None:
+        record.append((query, call, scale))
     rule = cfg.sliding_rule if call.sliding else cfg.rule
     return budget_attention(query, *call.tensors, rule=rule, budget=call.budget, keep=call.keep,
                             sliding=call.sliding, window=cfg.window, scale=scale)

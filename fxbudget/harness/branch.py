@@ -1,0 +1,139 @@
+"""Shared prefill: run a one-call prefill once, then branch the cache for each rule and budget.
+
+In a call on an empty cache the kernel attends exactly over the new tokens and evicts only afterwards, so every
+layer's output, hence the whole forward, is bit-identical for every rule and budget (empty slots add exact zeros).
+Only the eviction differs. `shared_prefill` runs the forward once and records, per layer, the kernel's inputs and the
+signals it measured over the new tokens; `branch` then runs only the rule's score and the shared `evict` on each
+rule's cache, with the signals of its empty slots filled in exactly as `measure` computes them. A rule that asks for
+another observation window replays the whole kernel call on the recorded queries instead (also exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from ..api import compile as fx_compile
+from ..backend import kernel_window
+from ..cache import MARKER_TENSORS, BudgetCache
+from ..eager import recording
+from ..kernel import DEFAULT_WINDOW, SIGNAL_NAMES, TOTALED, budget_attention, evict, rule_region
+from ..rules import Rule, get
+from ..rules.base import Signals
+
+_K, _V, _P = (MARKER_TENSORS.index(n) for n in ("k_new", "v_new", "new_pos"))
+_PER_CANDIDATE = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos")
+
+
+@dataclass
+class _Recorder(Rule):
+    """Keeps everything (its cache covers the prefill) and stores the new tokens' part of each call's signals."""
+
+    name = "recorder"
+    window: int = DEFAULT_WINDOW
+    signals: list = field(default_factory=list, repr=False)
+
+    def score(self, s: Signals) -> Tensor:
+        S = s.k_slots.shape[2]
+        self.signals.append({n: getattr(s, n)[..., S:] if n in _PER_CANDIDATE else getattr(s, n)
+                             for n in SIGNAL_NAMES if n != "k_slots"})
+        return s.pos.float()
+
+
+@dataclass
+class SharedPrefill:
+    """One prefill: each layer's kernel call `(query, MarkerCall, scale)`, the new tokens' signals of each
+    full-attention layer (in call order), the record cache (for sliding layers), last-position logits, length."""
+
+    calls: list
+    signals: list
+    cache: BudgetCache
+    logits: Tensor
+    n: int
+    window: int
+
+
+def shared_prefill(model: nn.Module, input_ids: Tensor, *, window: int = DEFAULT_WINDOW) -> SharedPrefill:
+    """Run `model` once on `input_ids` (unmodified HF causal LM, one call on an empty cache) and record it.
+
+    Args:
+        model: the unmodified model (not compiled by fxbudget); it runs fxbudget's eager kernel.
+        input_ids: `[batch, n]`, the whole prefill in one call.
+        window: the observation window the recorded signals use; rules with another window replay the kernel.
+    Returns:
+        A `SharedPrefill`. It holds every layer's queries and new keys/values (memory ~ n x layers x heads).
+    """
+    n = input_ids.shape[1]
+    recorder = _Recorder(window=window)
+    fx_compile(model, rule=recorder, budget=n, backend=None)  # the cache holds everything: nothing is evicted
+    try:
+        cache = model.forward.new_cache(input_ids.shape[0])
+        with torch.no_grad(), recording() as calls:
+            out = model(input_ids=input_ids, past_key_values=cache, logits_to_keep=1)
+    finally:
+        model.forward.restore()
+    return SharedPrefill(calls=calls, signals=recorder.signals, cache=cache, logits=out.logits[:, -1], n=n,
+                         window=window)
+
+
+def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str) -> None:
+    """Put `cache` (empty) in exactly the state a separate prefill with `rule` would leave it in.
+
+    Args:
+        prefill: from `shared_prefill` on the same model and batch size.
+        cache: an empty BudgetCache for that model (its layer budgets, head-room and `keep` are used).
+        rule: the rule to evict with.
+    """
+    if cache.tokens_seen:
+        raise ValueError("branch() needs an empty cache")
+    if cache.signature != prefill.cache.signature or cache.batch_size != prefill.cache.batch_size:
+        raise ValueError("branch() needs a cache for the model and batch size of the shared prefill")
+    rule = get(rule)
+    window = kernel_window(rule)
+    cache.admit(prefill.n)
+    signals = iter(prefill.signals)
+    sliding_rule = get("window")
+    with torch.no_grad():
+        for query, call, scale in prefill.calls:
+            layer, t = cache.layers[call.layer], call.tensors
+            layer.seen.add_(prefill.n)
+            if window != prefill.window:  # the recorded signals are for another window: replay the kernel call
+                budget_attention(query, layer.keys, layer.values, layer.pos, layer.state, layer.norms,
+                                 layer.totals, t[_K], t[_V], t[_P], layer.inv_freq,
+                                 rule=sliding_rule if layer.sliding else rule, budget=layer.budget, keep=layer.keep,
+                                 sliding=layer.sliding, window=window, scale=scale)
+                if not layer.sliding:
+                    next(signals)
+                continue
+            if layer.sliding:  # sliding layers run the `window` rule whatever the rule: the same state for all
+                src = prefill.cache.layers[call.layer]
+                for name in ("keys", "values", "pos", "state", "norms", "totals"):
+                    getattr(layer, name).copy_(getattr(src, name))
+                continue
+            rec = next(signals)
+            _evict_from_signals(rec, layer, rule, window, t[_V])
+
+
+def _evict_from_signals(rec: dict, layer, rule: Rule, window: int, v_new: Tensor) -> None:
+    """`rule_region` + `evict` of the kernel on the recorded signals, the empty slots' part filled in as `measure`
+    computes it for empty slots: zero attention and norms, the carried state (zero), position -1."""
+    slot_part = {"pos": layer.pos, "acc_attn": layer.state, "key_norm": layer.norms[..., 0],
+                 "value_norm": layer.norms[..., 1]}
+    sig = {}
+    for name in SIGNAL_NAMES:
+        if name in _PER_CANDIDATE:
+            new = rec[name]
+            slots = slot_part.get(name)
+            slots = torch.zeros_like(new[..., :1]).expand(*new.shape[:-1], layer.slots) if slots is None \
+                else slots.to(new.dtype)
+            sig[name] = torch.cat([slots, new], dim=-1)
+        else:
+            sig[name] = layer.keys if name == "k_slots" else rec[name]
+    n = rec["k_new"].shape[2]
+    score = rule_region(rule, layer.budget, min(window, n), *sig.values())
+    totals = torch.stack([sig[name].to(sig["attn"].dtype).sum(dim=-1) for name in TOTALED], dim=-1)
+    evict(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], totals, layer.keys,
+          layer.values, layer.pos, layer.state, layer.norms, layer.totals, rec["k_new"], v_new, keep=layer.keep)
+
