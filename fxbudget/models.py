@@ -196,3 +196,31 @@ def load_default(*, cache_dir: str | os.PathLike | None = None, progress: bool =
     model.eval()
     _log(progress, f"loaded {DEFAULT_MODEL_NAME} in {time.perf_counter() - start:.1f} s")
     return model, tokenizer
+
+
+def load_model(spec: str | os.PathLike | None = None, *, progress: bool = True):
+    """Load a causal LM for fxbudget (fp32, SDPA attention, eval mode): the default model, a local Hugging Face
+    model directory, or a local GGUF file (dequantized by transformers' GGUF support).
+
+    Args:
+        spec: None for the embedded default model, else a directory or a ``.gguf`` file path.
+        progress: print short progress messages to stderr.
+
+    Returns:
+        ``(model, tokenizer, name)``; ``name`` is what result rows record.
+    """
+    if spec is None:
+        model, tokenizer = load_default(progress=progress)
+        return model, tokenizer, DEFAULT_MODEL_NAME
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        kwargs = {}
+    elif path.is_file() and path.suffix == ".gguf":
+        kwargs, path = {"gguf_file": path.name}, path.parent
+    else:
+        raise FileNotFoundError(f"--model {spec}: not a model directory or a .gguf file (the hub is not used)")
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path, **_LOAD_KWARGS, **kwargs).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    _log(progress, f"loaded {spec} in {time.perf_counter() - start:.1f} s")
+    return model, tokenizer, Path(spec).name

@@ -1,0 +1,222 @@
+"""The `fxbudget` command: `compare` (the comparison grid), `report`, `rules`, `inspect`.
+
+    fxbudget compare --tasks passkey,niah_multikey --lengths 2000 --budgets 64,128,256 --samples 3 --out runs/demo
+    fxbudget report runs/a runs/b --out runs/merged
+    fxbudget rules
+    fxbudget inspect --rule snapkv --budget 64 --tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard takes i/n, e.g. 0/2, got {text!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise argparse.ArgumentTypeError(f"--shard i/n needs 0 <= i < n, got {text!r}")
+    return i, n
+
+
+def _params(items: list[str]) -> dict[str, dict]:
+    """`rule.name=value` items (value parsed as JSON, else kept as a string) -> {rule: {name: value}}."""
+    out: dict[str, dict] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        rule, dot, name = key.partition(".")
+        if not (sep and dot and rule and name):
+            raise SystemExit(f"--param takes rule.name=value, e.g. snapkv.window=64; got {item!r}")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        out.setdefault(rule, {})[name] = parsed
+    return out
+
+
+def _backend(text: str) -> str | None:
+    return None if text == "none" else text
+
+
+def _setup_threads(threads: int | None) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def cmd_compare(args) -> int:
+    from .harness.report import accuracy_table, load_rows, report
+    from .harness.runner import Grid, Runner
+    from .models import load_model
+
+    grid = Grid(tasks=args.tasks, lengths=args.lengths, rules=args.rules, budgets=args.budgets,
+                samples=args.samples, seed=args.seed, protocol=args.protocol, chunk_size=args.chunk_size,
+                backend=_backend(args.backend), share_prefill=not args.no_share_prefill, rule_params=_params(args.param),
+                task_files=args.task_file)
+    try:
+        grid.validate()
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise SystemExit(f"fxbudget compare: {e}") from None
+    _setup_threads(args.threads)
+    start = time.perf_counter()
+    model, tokenizer, name = load_model(args.model)
+    runner = Runner(model, tokenizer, name, grid, args.out, shard=args.shard, progress=not args.quiet,
+                    max_new_tokens=args.max_new_tokens)
+    plan = runner.plan()
+    todo = sum(len(t) for _, t in plan)
+    print(f"[fxbudget] {name}: {len(plan)} samples x configurations -> {todo} rows to run "
+          f"(protocol {grid.protocol}, prefill {'shared per sample' if grid.shares_prefill else 'per rule'}, "
+          f"backend {grid.backend or 'none (eager kernel)'}); results in {runner.path}", file=sys.stderr)
+    if grid.share_prefill and not grid.shares_prefill:
+        print("[fxbudget] prefill is not shared: it needs one-call prefill (no --chunk-size) on the eager kernel "
+              "(--backend none)", file=sys.stderr)
+    runner.run()
+    wall = time.perf_counter() - start
+    print(f"[fxbudget] done in {wall:.0f} s (compile {runner.compile_s:.0f} s, run {runner.run_s:.0f} s)",
+          file=sys.stderr)
+    path = report([args.out])
+    rows = [r for r in load_rows([args.out]) if r["protocol"] == grid.protocol]
+    print(f"\naccuracy, protocol {grid.protocol} (mean score over samples; samples in parentheses):\n")
+    print(accuracy_table(rows))
+    print(f"\nreport: {path}\nplots and summary.csv: {path.parent}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .harness.report import report
+
+    try:
+        path = report(args.dirs, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"fxbudget report: {e}") from None
+    print(path.read_text())
+    print(f"written: {path}")
+    return 0
+
+
+def rules_table() -> str:
+    """Markdown table of the registered rules: name, description, hyperparameters with defaults."""
+    import inspect
+
+    from .rules import _REGISTRY, available
+
+    lines = ["| rule | what it keeps | hyperparameters (defaults) |", "|---|---|---|"]
+    for name in available():
+        cls = _REGISTRY[name]
+        doc = inspect.getdoc(sys.modules[cls.__module__]) or inspect.getdoc(cls) or ""
+        summary = doc.split("\n")[0].split(":", 1)[-1].strip() if doc else ""
+        fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls)
+                           if f.default is not dataclasses.MISSING and not f.name.startswith("_"))
+        lines.append(f"| `{name}` | {summary} | {fields or '-'} |")
+    return "\n".join(lines)
+
+
+def cmd_rules(args) -> int:
+    print(rules_table())
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    import torch
+
+    import fxbudget
+
+    from .models import load_model
+
+    _setup_threads(args.threads)
+    model, tokenizer, _ = load_model(args.model, progress=False)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    try:
+        code = fxbudget.inspect(model, ids, rule=args.rule, budget=args.budget, **_params(args.param).get(args.rule, {}))
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"fxbudget inspect: {e}") from None
+    print(code)
+    print(f"\n# kernel fingerprint (rule ops masked): "
+          f"{fxbudget.kernel_fingerprint(model, ids, rule=args.rule, budget=args.budget)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .harness.runner import PROTOCOLS, Grid
+    from .harness.tasks import TASKS
+
+    d = Grid()
+    p = argparse.ArgumentParser(prog="fxbudget", description="Compare KV-cache eviction rules on one shared kernel "
+                                "and budget.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compare", help="run a grid of rules x budgets x tasks x lengths; write results and a report",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    c.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: the embedded "
+                   "Qwen2.5-Coder-0.5B-Instruct)")
+    c.add_argument("--tasks", type=_names, default=d.tasks, help=f"comma-separated, from: {', '.join(TASKS)}")
+    c.add_argument("--task-file", action="append", default=[], help="a JSONL task file (context, question, answer, "
+                   "optional answer_prefix); repeatable")
+    c.add_argument("--lengths", type=_ints, default=d.lengths, help="context lengths in tokens")
+    c.add_argument("--rules", type=_names, default=d.rules, help="'full' = the unmodified model (reference row); "
+                   "see `fxbudget rules`")
+    c.add_argument("--budgets", type=_ints, default=d.budgets, help="KV entries per layer and KV head")
+    c.add_argument("--samples", type=int, default=d.samples, help="samples per task and length")
+    c.add_argument("--seed", type=int, default=d.seed)
+    c.add_argument("--protocol", choices=PROTOCOLS, default=d.protocol)
+    c.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default: one call)")
+    c.add_argument("--backend", default="none", choices=["none", "inductor", "aot_eager", "eager"],
+                   help="'none' runs fxbudget's kernel eagerly; 'inductor' compiles it (slow first compiles on CPU)")
+    c.add_argument("--no-share-prefill", action="store_true", help="run every rule's prefill separately")
+    c.add_argument("--param", action="append", default=[], help="rule hyperparameter, e.g. snapkv.window=64")
+    c.add_argument("--max-new-tokens", type=int, default=None, help="override the tasks' answer lengths")
+    c.add_argument("--shard", type=_shard, default=(0, 1), help="run only part i/n of the samples")
+    c.add_argument("--out", default="runs/compare", help="results folder (rerunning resumes)")
+    c.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_compare)
+
+    r = sub.add_parser("report", help="merge result folders (e.g. shards) into one report")
+    r.add_argument("dirs", nargs="+")
+    r.add_argument("--out", default=None, help="where to write (default: the first folder)")
+    r.set_defaults(func=cmd_report)
+
+    rl = sub.add_parser("rules", help="list the registered rules")
+    rl.set_defaults(func=cmd_rules)
+
+    i = sub.add_parser("inspect", help="print the rewritten graph of a model", formatter_class=argparse.
+                       ArgumentDefaultsHelpFormatter)
+    i.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: embedded)")
+    i.add_argument("--rule", default="snapkv")
+    i.add_argument("--budget", type=int, default=64)
+    i.add_argument("--tokens", type=int, default=16, help="length of the traced input")
+    i.add_argument("--param", action="append", default=[])
+    i.add_argument("--threads", type=int, default=None)
+    i.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

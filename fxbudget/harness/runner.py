@@ -1,0 +1,336 @@
+"""The comparison grid: rules x budgets x tasks x context lengths on one model, one JSONL row per sample.
+
+Protocols (DESIGN §6), a column of every row and never mixed:
+- `query-agnostic` (default): the context is prefilled with eviction down to the budget; the question and the answer
+  are then appended with eviction frozen (head-room allocated up front). The rule never sees the question.
+- `query-aware`: context and question are prefilled together with eviction; the answer is appended frozen.
+- `streaming`: eviction on every call, the question and every decode step included; memory is the budget throughout.
+
+The rule `full` is the reference row: the unmodified model with transformers' own cache, no fxbudget in the path.
+
+When the prefill is one call (no chunking) on the eager kernel, it is computed once per sample and the cache is
+branched per rule and budget (`fxbudget.harness.branch`, bit-identical to separate runs, tested).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from ..api import compile as fx_compile
+from ..api import kernel_fingerprint
+from ..backend import INNER_BACKENDS, kernel_window
+from ..rules import get
+from .branch import branch, shared_prefill
+from .tasks import TASKS, Sample, chat_ids, load_jsonl, make_samples, score
+
+PROTOCOLS = ("query-agnostic", "query-aware", "streaming")
+REFERENCE = "full"  # the unmodified model
+
+
+@dataclass
+class Grid:
+    """What to run. `rules` may include "full" (the reference row, no budget); `rule_params` maps a rule name to
+    its hyperparameters; `task_files` are user JSONL files run in addition to the generated `tasks`."""
+
+    tasks: list[str] = field(default_factory=lambda: ["passkey"])
+    lengths: list[int] = field(default_factory=lambda: [2000])
+    rules: list[str] = field(default_factory=lambda: ["full", "streamingllm", "h2o", "snapkv", "tova", "knorm"])
+    budgets: list[int] = field(default_factory=lambda: [64, 128, 256])
+    samples: int = 3
+    seed: int = 0
+    protocol: str = "query-agnostic"
+    chunk_size: int | None = None
+    backend: str | None = None  # None: fxbudget's eager kernel; or a Dynamo backend ("inductor", ...)
+    share_prefill: bool = True
+    rule_params: dict[str, dict] = field(default_factory=dict)
+    task_files: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        for t in self.tasks:
+            if t not in TASKS:
+                raise ValueError(f"unknown task {t!r}; known tasks: {', '.join(TASKS)}")
+        for r in self.rules:
+            if r != REFERENCE:
+                get(r, **self.rule_params.get(r, {}))  # raises, listing the known rules
+        for name, values in (("lengths", self.lengths), ("budgets", self.budgets)):
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name} must be positive ints, got {values!r}")
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.backend is not None and self.backend not in INNER_BACKENDS:
+            raise ValueError(f"backend must be one of {INNER_BACKENDS} or None, got {self.backend!r}")
+        for f in self.task_files:
+            if not Path(f).is_file():
+                raise FileNotFoundError(f"task file {f} does not exist")
+
+    @property
+    def shares_prefill(self) -> bool:
+        """Whether rules share one prefill per sample: it must be a single call on the eager kernel."""
+        return self.share_prefill and self.chunk_size is None and self.backend is None
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One sample of one task at one length: every configuration of the grid runs on it."""
+
+    task: str
+    length: int | None  # None for user task files
+    index: int
+
+
+def units(grid: Grid) -> list[Unit]:
+    """Every sample of the grid in a fixed order (the order `--shard` splits)."""
+    out = [Unit(t, n, i) for t in grid.tasks for n in grid.lengths for i in range(grid.samples)]
+    for f in grid.task_files:
+        out += [Unit(str(f), None, i) for i in range(len(load_jsonl(f)))]
+    return out
+
+
+def configs(grid: Grid) -> list[tuple[str, int | None]]:
+    """(rule, budget) pairs; the reference row has no budget."""
+    return [(r, None) if r == REFERENCE else (r, b) for r in grid.rules
+            for b in ([None] if r == REFERENCE else grid.budgets)]
+
+
+def row_key(model_name: str, grid: Grid, unit: Unit, rule: str, budget: int | None) -> str:
+    """What identifies a result: completed keys are skipped when a run resumes."""
+    params = json.dumps(grid.rule_params.get(rule, {}), sort_keys=True)
+    return "|".join(map(str, (model_name, unit.task, unit.length, unit.index, grid.seed, rule, params, budget,
+                              grid.protocol, grid.chunk_size, grid.backend)))
+
+
+def _load_sample(grid: Grid, unit: Unit, tokenizer, cache: dict) -> Sample:
+    if unit.length is None:
+        if unit.task not in cache:
+            cache[unit.task] = load_jsonl(unit.task, tokenizer)
+        return cache[unit.task][unit.index]
+    key = (unit.task, unit.length)
+    if key not in cache:  # the samples of a (task, length) are generated together (their depths are spread)
+        cache[key] = make_samples(unit.task, tokenizer, unit.length, grid.samples, seed=grid.seed)
+    return cache[key][unit.index]
+
+
+def _compile_seconds() -> float:
+    """Total time Dynamo has spent compiling in this process (tracing and the backend, Inductor included)."""
+    return sum(torch._dynamo.utils.compilation_time_metrics.get("_compile.compile_inner", []))
+
+
+class _Clock:
+    """Wall time of a block, with the compile time spent inside it split out."""
+
+    def __enter__(self):
+        self.t0, self.c0 = time.perf_counter(), _compile_seconds()
+        return self
+
+    def __exit__(self, *exc):
+        self.compile = _compile_seconds() - self.c0
+        self.run = time.perf_counter() - self.t0 - self.compile
+
+
+def _greedy(model: nn.Module, cache, logits: torch.Tensor, max_new: int, eos: set[int]) -> tuple[list[int], object]:
+    """Greedy tokens from `logits` (the last prefill position) on; returns them and the cache."""
+    out: list[int] = []
+    for _ in range(max_new):
+        tok = int(logits[0].argmax())
+        if tok in eos:
+            break
+        out.append(tok)
+        if len(out) == max_new:
+            break
+        step = model(input_ids=torch.tensor([[tok]], device=logits.device), past_key_values=cache, use_cache=True,
+                     logits_to_keep=1)
+        logits, cache = step.logits[:, -1], step.past_key_values
+    return out, cache
+
+
+def _kv_bytes(cache) -> int:
+    if hasattr(cache, "kv_bytes"):
+        return cache.kv_bytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [ids]
+    return {i for i in ids + [tokenizer.eos_token_id] if i is not None}
+
+
+def environment(model: nn.Module) -> dict:
+    """Versions and device: recorded in every row."""
+    p = next(model.parameters())
+    try:
+        version = importlib.metadata.version("flexbudget")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "fxbudget": version,
+            "python": platform.python_version(), "dtype": str(p.dtype).removeprefix("torch."), "device": str(p.device),
+            "threads": torch.get_num_threads(), "machine": platform.machine(), "platform": sys.platform}
+
+
+class Runner:
+    """Runs a `Grid` on one model and appends rows to `out_dir/results*.jsonl` (resumable, shardable)."""
+
+    def __init__(self, model: nn.Module, tokenizer, model_name: str, grid: Grid, out_dir: str | Path, *,
+                 shard: tuple[int, int] = (0, 1), progress: bool = True, max_new_tokens: int | None = None):
+        grid.validate()
+        i, n = shard
+        if not (n >= 1 and 0 <= i < n):
+            raise ValueError(f"shard must be i/n with 0 <= i < n, got {i}/{n}")
+        self.model, self.tok, self.model_name, self.grid = model, tokenizer, model_name, grid
+        self.out_dir, self.shard, self.progress, self.max_new = Path(out_dir), shard, progress, max_new_tokens
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / ("results.jsonl" if n == 1 else f"results-shard{i}of{n}.jsonl")
+        self.env = environment(model)
+        self.eos = _eos_ids(model, tokenizer)
+        self._fingerprints: dict[str, str] = {}
+        self._samples: dict = {}
+        self.compile_s = self.run_s = 0.0
+
+    def done_keys(self) -> set[str]:
+        keys = set()
+        for path in self.out_dir.glob("results*.jsonl"):
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    keys.add(json.loads(line)["key"])
+        return keys
+
+    def plan(self) -> list[tuple[Unit, list[tuple[str, int | None]]]]:
+        """This shard's samples and, for each, the configurations not yet in the results."""
+        done, (i, n) = self.done_keys(), self.shard
+        plan = []
+        for unit in units(self.grid)[i::n]:
+            todo = [c for c in configs(self.grid) if row_key(self.model_name, self.grid, unit, *c) not in done]
+            if todo:
+                plan.append((unit, todo))
+        return plan
+
+    def run(self) -> list[dict]:
+        """Run every pending row; returns the rows written by this call."""
+        from tqdm.auto import tqdm
+
+        (self.out_dir / "run.json").write_text(json.dumps(
+            {"model": self.model_name, "grid": asdict(self.grid), "shard": list(self.shard), **self.env}, indent=1))
+        plan = self.plan()
+        bar = tqdm(total=sum(len(todo) for _, todo in plan), unit="row", disable=not self.progress,
+                   dynamic_ncols=True)
+        rows = []
+        try:
+            with torch.no_grad(), self.path.open("a") as f:
+                for unit, todo in plan:
+                    for row in self._run_unit(unit, todo, bar):
+                        f.write(json.dumps(row, default=str) + "\n")
+                        f.flush()
+                        rows.append(row)
+                        bar.update(1)
+                        bar.set_postfix_str(f"compile {self.compile_s:.0f}s, run {self.run_s:.0f}s")
+        finally:
+            bar.close()
+        return rows
+
+    def _fingerprint(self, rule) -> str:
+        """The kernel fingerprint of the rewritten graph (rule ops masked out): one per rule per run."""
+        if rule.name not in self._fingerprints:
+            ids = torch.zeros(1, 8, dtype=torch.long, device=next(self.model.parameters()).device)
+            self._fingerprints[rule.name] = kernel_fingerprint(self.model, ids, rule=rule,
+                                                               budget=max(self.grid.budgets))
+        return self._fingerprints[rule.name]
+
+    def _run_unit(self, unit: Unit, todo, bar):
+        g, model = self.grid, self.model
+        sample = _load_sample(g, unit, self.tok, self._samples)
+        ctx, question = (x.to(next(model.parameters()).device) for x in chat_ids(self.tok, sample))
+        max_new = self.max_new or sample.max_new_tokens
+        base = {"model": self.model_name, "task": sample.task, "length": unit.length, "sample": unit.index,
+                "seed": sample.seed, "n_tokens": ctx.shape[1], "question_tokens": question.shape[1],
+                "depth": sample.depth, "answers": sample.answers, "protocol": g.protocol, "chunk_size": g.chunk_size,
+                "backend": g.backend or "none", **self.env}
+        bar.set_description(f"{sample.task[:24]} {unit.length or ''} #{unit.index}")
+        aware = g.protocol == "query-aware"
+        prefill_ids = torch.cat([ctx, question], dim=1) if aware else ctx
+        shared, shared_s = None, None
+        if g.shares_prefill and any(rule != REFERENCE for rule, _ in todo):
+            with _Clock() as c:
+                shared = shared_prefill(model, prefill_ids)
+            shared_s = c.run
+            self.run_s += c.run
+        for rule_name, budget in todo:
+            if rule_name == REFERENCE:
+                row = self._reference(ctx, question, max_new)
+            else:
+                row = self._budgeted(rule_name, budget, prefill_ids, question, max_new, shared, shared_s)
+            prediction = self.tok.decode(row.pop("output_ids"), skip_special_tokens=True).strip()
+            row.update(base, prediction=prediction, score=score(sample, prediction),
+                       key=row_key(self.model_name, g, unit, rule_name, budget))
+            yield row
+
+    def _timed(self, clock: _Clock) -> None:
+        self.compile_s += clock.compile
+        self.run_s += clock.run
+
+    def _reference(self, ctx, question, max_new) -> dict:
+        """The unmodified model, transformers' own cache: the full-cache reference row."""
+        with _Clock() as pre:
+            out = self.model(input_ids=torch.cat([ctx, question], dim=1), use_cache=True, logits_to_keep=1)
+        with _Clock() as dec:
+            ids, cache = _greedy(self.model, out.past_key_values, out.logits[:, -1], max_new, self.eos)
+        self._timed(pre), self._timed(dec)
+        return {"rule": REFERENCE, "rule_params": {}, "budget": None, "window": None, "kernel_fingerprint": None,
+                "shared_prefill": False, "prefill_s": pre.run, "decode_s": dec.run,
+                "compile_s": pre.compile + dec.compile, "output_ids": ids, "output_tokens": len(ids),
+                "kv_bytes": _kv_bytes(cache), "peak_mem_bytes": None}
+
+    def _budgeted(self, rule_name, budget, prefill_ids, question, max_new, shared, shared_s) -> dict:
+        g, model = self.grid, self.model
+        rule = get(rule_name, **g.rule_params.get(rule_name, {}))
+        fingerprint = self._fingerprint(rule)
+        frozen_tokens = {"query-agnostic": question.shape[1] + max_new, "query-aware": max_new, "streaming": 0}
+        # Head-room rounded up, so samples with different question lengths share compiled shapes.
+        headroom = math.ceil(frozen_tokens[g.protocol] / 64) * 64
+        fx_compile(model, rule=rule, budget=budget, chunk_size=g.chunk_size, backend=g.backend, headroom=headroom)
+        cuda = prefill_ids.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            cache = model.forward.new_cache(prefill_ids.shape[0])
+            with _Clock() as pre:
+                if shared is not None:
+                    branch(shared, cache, rule)
+                    logits = shared.logits
+                else:
+                    logits = model(input_ids=prefill_ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+            with _Clock() as dec:
+                if g.protocol == "query-agnostic":
+                    with cache.frozen():
+                        logits = model(input_ids=question, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+                        ids, _ = _greedy(model, cache, logits, max_new, self.eos)
+                elif g.protocol == "query-aware":
+                    with cache.frozen():
+                        ids, _ = _greedy(model, cache, logits, max_new, self.eos)
+                else:
+                    logits = model(input_ids=question, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+                    ids, _ = _greedy(model, cache, logits, max_new, self.eos)
+        finally:
+            model.forward.restore()
+        self._timed(pre), self._timed(dec)
+        return {"rule": rule_name, "rule_params": rule.params(), "budget": budget, "window": kernel_window(rule),
+                "layer_budgets": cache.layer_budgets if len(set(cache.layer_budgets)) > 1 else None,
+                "headroom": headroom, "kernel_fingerprint": fingerprint, "shared_prefill": shared is not None,
+                # With a shared prefill, prefill_s is what a separate run would take: the shared forward + the branch.
+                "prefill_s": pre.run + (shared_s or 0.0), "branch_s": pre.run if shared is not None else None,
+                "decode_s": dec.run, "compile_s": pre.compile + dec.compile, "output_ids": ids,
+                "output_tokens": len(ids), "kv_bytes": cache.kv_bytes(),
+                "peak_mem_bytes": torch.cuda.max_memory_allocated() if cuda else None}

@@ -1,0 +1,130 @@
+"""`fxbudget compare` end to end on a tiny random model (CLI, rows, report, plots, resume, shards, protocols)."""
+
+import csv
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from fxbudget.cli import main
+from fxbudget.harness.report import load_rows
+from fxbudget.models import default_cache_dir, load_default
+
+GRID = ["--tasks", "passkey,niah_multikey", "--lengths", "300", "--rules", "full,snapkv,streamingllm,h2o",
+        "--budgets", "32,4096", "--samples", "2", "--max-new-tokens", "4", "--quiet"]
+ROW_FIELDS = ("model", "rule", "rule_params", "budget", "protocol", "chunk_size", "window", "dtype", "device", "torch",
+              "transformers", "kernel_fingerprint", "peak_mem_bytes", "kv_bytes", "prefill_s", "decode_s",
+              "compile_s", "output_tokens", "prediction", "score", "depth", "n_tokens", "answers")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A 2-layer random Qwen2 with the embedded model's tokenizer, saved as a local model directory."""
+    path = default_cache_dir()
+    if not (path / "tokenizer_config.json").is_file():
+        load_default(progress=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=8192, tie_word_embeddings=True))
+    out = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def compare(tiny_dir, out, *extra):
+    assert main(["compare", "--model", tiny_dir, *GRID, "--out", str(out), *extra]) == 0
+    return {r["key"]: r for r in load_rows([out])}
+
+
+@pytest.fixture(scope="module")
+def single_run(tiny_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    return out, compare(tiny_dir, out)
+
+
+def test_rows_report_and_plots(single_run):
+    out, rows = single_run
+    assert len(rows) == 2 * 2 * (1 + 3 * 2)  # tasks x samples x (reference + rules x budgets)
+    for r in rows.values():
+        missing = [f for f in ROW_FIELDS if f not in r]
+        assert not missing, missing
+        assert r["protocol"] == "query-agnostic" and 0.0 <= r["score"] <= 1.0
+    budgeted = [r for r in rows.values() if r["rule"] != "full"]
+    assert len({r["kernel_fingerprint"] for r in budgeted}) == 1  # one shared kernel
+    assert all(r["shared_prefill"] for r in budgeted)
+    small = [r for r in budgeted if r["budget"] == 32]
+    assert all(r["kv_bytes"] < min(x["kv_bytes"] for x in rows.values() if x["rule"] == "full") for r in small)
+    for name in ("report.md", "summary.csv", "accuracy_vs_budget.png", "heatmap_snapkv.png", "run.json"):
+        assert (out / name).stat().st_size > 0, name
+    report = (out / "report.md").read_text()
+    assert "| full (unmodified model) |" in report and "one shared kernel" in report
+    summary = list(csv.DictReader((out / "summary.csv").open()))
+    assert {s["rule"] for s in summary} == {"full", "snapkv", "streamingllm", "h2o"}
+
+
+def test_budget_covering_context_equals_full(single_run):
+    """With a budget >= the context nothing is evicted: every rule answers exactly what the unmodified model does."""
+    _, rows = single_run
+    full = {(r["task"], r["sample"]): r["prediction"] for r in rows.values() if r["rule"] == "full"}
+    covering = [r for r in rows.values() if r["budget"] == 4096]
+    assert len(covering) == 12
+    for r in covering:
+        assert r["prediction"] == full[(r["task"], r["sample"])], (r["rule"], r["task"], r["sample"])
+
+
+def test_resume_skips_completed_rows(single_run, tiny_dir, tmp_path):
+    src, rows = single_run
+    lines = (src / "results.jsonl").read_text().splitlines()
+    (tmp_path / "results.jsonl").write_text("\n".join(lines[:-3]) + "\n")  # an interrupted run
+    again = compare(tiny_dir, tmp_path)
+    assert set(again) == set(rows)
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(lines)  # only the 3 missing rows ran
+    for key in rows:  # the rerun rows reproduce the original ones
+        assert again[key]["prediction"] == rows[key]["prediction"]
+    compare(tiny_dir, tmp_path)
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(lines)  # nothing left to run
+
+
+def test_shards_merge_to_the_single_run(single_run, tiny_dir, tmp_path):
+    _, rows = single_run
+    a, b = compare(tiny_dir, tmp_path / "a", "--shard", "0/2"), compare(tiny_dir, tmp_path / "b", "--shard", "1/2")
+    assert a and b and not set(a) & set(b)
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")]) == 0
+    merged = {r["key"]: r for r in load_rows([tmp_path / "a", tmp_path / "b"])}
+    assert set(merged) == set(rows)
+    assert {k: r["prediction"] for k, r in merged.items()} == {k: r["prediction"] for k, r in rows.items()}
+    assert (tmp_path / "m" / "report.md").is_file()
+
+
+@pytest.mark.parametrize("protocol", ["query-aware", "streaming"])
+def test_other_protocols_and_chunked_prefill(tiny_dir, tmp_path, protocol):
+    rows = compare(tiny_dir, tmp_path, "--protocol", protocol, "--chunk-size", "128")
+    budgeted = [r for r in rows.values() if r["rule"] != "full"]
+    assert all(r["protocol"] == protocol and r["chunk_size"] == 128 and not r["shared_prefill"] for r in budgeted)
+    full = {(r["task"], r["sample"]): r["prediction"] for r in rows.values() if r["rule"] == "full"}
+    for r in budgeted:
+        if r["budget"] == 4096:
+            assert r["prediction"] == full[(r["task"], r["sample"])]
+
+
+def test_bad_arguments_fail_clearly(tiny_dir, tmp_path):
+    with pytest.raises(SystemExit, match="unknown rule 'nope'"):
+        main(["compare", "--model", tiny_dir, "--rules", "nope", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="unknown task"):
+        main(["compare", "--model", tiny_dir, "--tasks", "nope", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no results"):
+        main(["report", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        main(["compare", "--shard", "2/2"])
+
+
+def test_rules_command_lists_every_rule(capsys):
+    from fxbudget.rules import available
+
+    assert main(["rules"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"`{name}`" in out for name in available())
