@@ -1,0 +1,121 @@
+"""Overhead of budget attention: compiled budget kernel vs compiled plain SDPA over a static cache of the same size.
+
+    OMP_NUM_THREADS=1 python benchmarks/overhead.py            # full run (~5 min on 2 CPU cores)
+    OMP_NUM_THREADS=1 python benchmarks/overhead.py --quick    # smoke run: budget 256, decode only
+
+Layer level (14 query / 2 KV heads, head dim 64, fp32). Budget attention: a full BudgetCache layer compiled through
+fxbudget's backend (SDPA pass + Inductor, snapkv): exact attention over the B slots and the n new tokens, the signals,
+the rule, top-k eviction and the write-back. The ideal that never evicts: `index_copy_` of the call's K/V into a
+static cache, then `F.scaled_dot_product_attention` (causal among the new tokens), compiled with Inductor, over
+(a) B tokens ("the same number of tokens"), and for prefill chunks also (b) B + n tokens, which is the same attention
+work as the budget kernel (it attends over its B slots plus the n new tokens before evicting n).
+`--json` saves the numbers; `--before FILE` adds the saved numbers of an earlier kernel as a before/after column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from _common import (LayerCase, ROOT, env_info, header_lines, interleaved, load_str, md_table, median_us,
+                     setup_threads, write_md)
+
+GOAL = 1.10  # issue 5: budget attention / static-cache SDPA
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budgets", default="256,1024,4096", help="budgets (default 256,1024,4096)")
+    p.add_argument("--chunk", type=int, default=256, help="prefill chunk size (default 256; 0 = decode only)")
+    p.add_argument("--rule", default="snapkv", help="rule of the budget kernel (default snapkv)")
+    p.add_argument("--reps", type=int, default=200, help="interleaved decode rounds (prefill: reps/20, at least 5)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--cudagraphs", action="store_true", help="CUDA only: CUDA graphs for decode (both sides)")
+    p.add_argument("--quick", action="store_true", help="smoke run: budget 256, decode only, 30 reps")
+    p.add_argument("--json", default=None, help="also save the rows as JSON here")
+    p.add_argument("--before", default=None, help="JSON saved by an earlier run (e.g. the previous kernel)")
+    p.add_argument("--before-label", default="before", help="column label for --before")
+    p.add_argument("--out", default=None, help="markdown output (default benchmarks/results/overhead.md; "
+                                               "--quick writes nothing unless given)")
+    args = p.parse_args()
+    setup_threads(1)
+    if args.quick:
+        args.budgets, args.chunk, args.reps = "256", 0, 30
+    info = env_info(args.device)
+    rows = []
+    for budget in [int(b) for b in args.budgets.split(",")]:
+        for phase, n in [("decode", 1)] + ([(f"prefill {args.chunk}", args.chunk)] if args.chunk else []):
+            case = LayerCase(args.rule, budget, n, device=args.device, cudagraphs=args.cudagraphs and n == 1)
+            steps = {"budget_attn": case.compiled(), "static_B": case.static_sdpa()}
+            if n > 1:
+                steps["static_B+n"] = case.static_sdpa(budget + n)
+            r = args.reps if n == 1 else max(5, args.reps // 20)
+            t = interleaved(steps, r, device=args.device)
+            row = {"budget": budget, "phase": phase, "reps": r, **{k: median_us(v) for k, v in t.items()},
+                   "compile_budget_s": case.compile_s["budget"]}
+            row["ratio_B"] = row["budget_attn"] / row["static_B"]
+            if n > 1:
+                row["ratio_Bn"] = row["budget_attn"] / row["static_B+n"]
+            print(row, "load", load_str(), flush=True)
+            rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    before = {}
+    if args.before:
+        with open(args.before) as f:
+            before = {(r["budget"], r["phase"]): r for r in json.load(f)}
+
+    lines = header_lines("Overhead: compiled budget attention vs compiled plain SDPA over a static cache", info,
+                         load_after=load_str())
+    lines += [f"{args.rule}; 14 query / 2 KV heads, head dim 64, fp32; cache full, so every budget-attention call "
+              "evicts; both sides compiled with Inductor; median of interleaved runs.", ""]
+    heads = ["budget", "call", "budget attention (us)", "static SDPA, B tokens (us)", "ratio vs B",
+             "static SDPA, B+n tokens (us)", "ratio vs B+n"]
+    if before:
+        heads += [f"{args.before_label}: ratio vs B", f"{args.before_label}: budget attention (us)"]
+    table = []
+    for r in rows:
+        row = [r["budget"], r["phase"], r["budget_attn"], r["static_B"], f"{r['ratio_B']:.2f}",
+               r["static_B+n"] if "static_B+n" in r else "-", f"{r['ratio_Bn']:.2f}" if "ratio_Bn" in r else "-"]
+        if before:
+            b = before.get((r["budget"], r["phase"]))
+            row += [f"{b['ratio_B']:.2f}", b["budget_attn"]] if b else ["-", "-"]
+        table.append(row)
+    lines += md_table(heads, table)
+    dec = [r for r in rows if r["phase"] == "decode"]
+    pre = [r for r in rows if r["phase"] != "decode"]
+    lines += ["", f"Goal (issue 5) ratio <= {GOAL}: decode **{'met' if all(r['ratio_B'] <= GOAL for r in dec) else 'NOT met'}**"
+              + (f", prefill **{'met' if all(r['ratio_B'] <= GOAL for r in pre) else 'NOT met'}**" if pre else "")
+              + ".", "", "## What this shows", "",
+              "Decode: at these sizes the attention arithmetic is tiny, and the budget kernel's extra time over the "
+              "static cache is per-call fixed cost: about seven fused Inductor C++ loops plus two BLAS calls "
+              "(attention over the slots) where the baseline runs one copy loop and one SDPA call; the AOT runtime "
+              "wrapper and guards for seven mutated cache tensors; and, for snapkv, the rule's own argsort of the "
+              "B + 1 candidate positions (its pooling runs in sequence order; see fairness_spread.md, where rules "
+              "without it are faster). Prefill: the budget kernel attends over B slots plus the n new tokens "
+              "(B + n candidates) before evicting n, so against a static cache of B tokens it does about "
+              "(B + n) / B times the attention work (2x at B = n = 256); against a static cache of B + n tokens (the "
+              "same work) the remaining gap is the decomposed softmax: logits and probabilities are materialized "
+              "as [query rows x candidates] fp32 tensors with a separate exp pass, where SDPA's fused CPU flash "
+              "kernel keeps them in registers, and the signal reductions read the probabilities once more.",
+              "",
+              "Kernel changes in this round (fxbudget/kernel.py; `before` columns, when present, are the previous "
+              "kernel measured by this script in the same session): (1) `measure` keeps slots and new tokens "
+              "separate through the softmax (no concatenated [queries x candidates] logits/probabilities: one "
+              "full-size copy less per call), compares positions in int32, and folds the nothing-visible guard into "
+              "the normalization (one full pass less); (2) `evict` replaces top-k with k = 1 (every decode step) by "
+              "argmin/argmax, which Inductor fuses into its loops instead of three ATen top-k calls. Semantics are "
+              "unchanged (the kernel tests pass)."]
+    out = args.out or (None if args.quick else str(ROOT / "benchmarks" / "results" / "overhead.md"))
+    if out:
+        write_md(out, lines)
+    else:
+        print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
