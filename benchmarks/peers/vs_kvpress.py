@@ -270,6 +270,10 @@ def main() -> int:
     p.add_argument("--rules", default=",".join(RULES))
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--no-full", action="store_true", help="skip the uncompressed reference row")
+    p.add_argument("--timing-rounds", type=int, default=0,
+                   help="extra rounds, after the main rows: kvpress and fxbudget chunked alternated per rule on the "
+                        "first prompt, for a side-by-side time ratio on a shared machine")
+    p.add_argument("--timing-only", action="store_true", help="only the --timing-rounds rows (no main table)")
     p.add_argument("--peer-python", default=str(PEER_PYTHON))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_kvpress.md"))
     p.add_argument("--json-out", default=None, help="also write the raw results here")
@@ -322,12 +326,21 @@ def main() -> int:
     plan = ([] if args.no_full else [("kvpress", "full", None)])
     for r in rules:
         plan += [("kvpress", r, None), ("fxbudget", r, None), ("fxbudget", r, args.chunk)]
-    for side, rule, chunk in plan:
-        print(f"[{time.strftime('%H:%M:%S')}] {side} {rule} {'chunk ' + str(chunk) if chunk else ''} "
+    if args.timing_only:
+        plan = []
+    for i in range(args.timing_rounds):
+        for r in rules:  # alternate which stack goes first
+            pair = [("kvpress", r, None, "timing"), ("fxbudget", r, args.chunk, "timing")]
+            plan += pair if i % 2 == 0 else pair[::-1]
+    for side, rule, chunk, *tag in plan:
+        print(f"[{time.strftime('%H:%M:%S')}] {side} {rule} {'chunk ' + str(chunk) if chunk else ''} {tag} "
               f"(load {load_str()})", flush=True)
         job = {**base_job, "rule": rule, "chunk": chunk}
+        if tag:
+            job["prompts"] = prompts[:1]
         res = _run_worker(args.peer_python if side == "kvpress" else sys.executable, side, job,
                           env_k if side == "kvpress" else env_f)
+        res["timing"] = bool(tag)
         for r_, s in zip(res["results"], samples):
             r_["ok"] = s.answer in r_["answer"]
         print("   ", [(round(x["total_s"], 1), x["answer"], x["ok"]) for x in res["results"]],
@@ -337,9 +350,35 @@ def main() -> int:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": runs}))
 
     # ---- report
+    timing_runs = [r for r in runs if r.get("timing")]
+    runs = [r for r in runs if not r.get("timing")]
+
     def find(side, rule, mode_prefix):
         return next((r for r in runs if r["side"] == side and r["rule"] == rule and r["mode"].startswith(mode_prefix)),
                     None)
+
+    def timing_section() -> list[str]:
+        if not timing_runs:
+            return []
+        out = ["## Side-by-side time (kvpress and fxbudget chunked alternated, first prompt)", "",
+               f"{args.timing_rounds} rounds; in each round the two stacks run back to back in fresh processes "
+               "(the first of the pair alternates between rounds); end-to-end seconds (prefill s in brackets) and "
+               "the 1-min load average at the end of each run.", "",
+               "| rule | round | kvpress s | fxbudget chunked s | kvpress / fxbudget | load |", "|---|---|---|---|---|---|"]
+        for rule in rules:
+            ks = [r for r in timing_runs if r["rule"] == rule and r["side"] == "kvpress"]
+            fs = [r for r in timing_runs if r["rule"] == rule and r["side"] == "fxbudget"]
+            for i, (k, f) in enumerate(zip(ks, fs)):
+                tk, tf = k["results"][0], f["results"][0]
+                out.append(f"| {rule} | {i + 1} | {tk['total_s']:.1f} ({tk['prefill_s']:.1f}) | {tf['total_s']:.1f} "
+                           f"({tf['prefill_s']:.1f}) | {tk['total_s'] / tf['total_s']:.2f} | "
+                           f"{k['load'][0]:.1f} / {f['load'][0]:.1f} |")
+        return out + [""]
+
+    if args.timing_only:
+        lines = header_lines("fxbudget vs kvpress: side-by-side time", info, command, load_after=load_str())
+        write_md(args.out, lines + timing_section())
+        return 0
 
     kv_versions = next(r["versions"] for r in runs if r["side"] == "kvpress")
     L = [len(p_["ctx"]) for p_ in prompts]
@@ -363,7 +402,7 @@ def main() -> int:
     # Table 1: accuracy + time + memory
     lines += ["## Accuracy, end-to-end time, peak memory", "",
               "Time: context prefill + question + greedy answer, median over prompts (fresh process per row, rows run "
-              "one after another, so neighbouring rows saw the same machine state; load average per row). Peak: RSS "
+              "one after another, so neighbouring rows saw similar machine states; load: 1-min load average at the end of the row). Peak: RSS "
               "high-water mark over the prompts minus RSS after load + warm-up. KV: bytes of keys + values held after "
               "the context (kvpress) / allocated (fxbudget: B + head-room slots, fixed).", ""]
     rows = []
@@ -408,6 +447,7 @@ def main() -> int:
             lines.append(f"| {rule} | {f['mode']} | {statistics.mean(ov):.4f} | {min(ov):.3f} | "
                          f"{sum(o == 1.0 for o in ov)} | {len(ov)} |")
     lines += [""]
+    lines += timing_section()
     lines += ["<!-- analysis -->", ""]
     write_md(args.out, lines)
     return 0
