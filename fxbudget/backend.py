@@ -24,12 +24,17 @@ def kernel_window(rule: Rule) -> int:
 
 
 def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
-                 on_graph: Callable[[fx.GraphModule], None] | None = None, **rule_params):
+                 on_graph: Callable[[fx.GraphModule], None] | None = None, cudagraphs: bool = False,
+                 **rule_params):
     """A Dynamo backend that rewrites SDPA for `rule` and compiles with `inner`.
 
     Args:
         rule: rule name or instance. inner: "inductor" (default), "aot_eager" or "eager" (same semantics, for
             debugging). on_graph: called with each rewritten graph before `inner` compiles it.
+        cudagraphs: with "inductor" on CUDA, wrap the compiled graph in CUDA graphs (what `mode="reduce-overhead"`
+            does for the plain inductor backend; `mode=` cannot be combined with a custom backend). The cache tensors
+            are mutated in place, so mark them with `torch._dynamo.mark_static_address` first, or Inductor skips
+            CUDA graphs for the graph.
         **rule_params: hyperparameters for a named rule.
     Returns:
         A callable `(gm, example_inputs, **kwargs) -> compiled forward` for `torch.compile(backend=...)`.
@@ -59,7 +64,10 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
 
         # Locality reordering would move the attention-output matmul after the slot write-back, which then cannot
         # be done in place (a full copy of the K/V cache per call); the kernel's own op order is already good.
-        return compile_fx(gm, example_inputs, config_patches={"reorder_for_locality": False})
+        patches = {"reorder_for_locality": False}
+        if cudagraphs:
+            patches["triton.cudagraphs"] = True
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
     fxbudget_backend.rule, fxbudget_backend.window = rule, window
     return fxbudget_backend

@@ -45,34 +45,46 @@ def measure(
     n = k_new.shape[2]
     hq = q.shape[1]
     g = hq // h
-    C = S + n
     scale = 1.0 / math.sqrt(d) if scale is None else scale
 
     pos = torch.cat([pos_slots, new_pos.view(1, 1, n).expand(b, h, n)], dim=2)
     # Query head j*h_group.. of KV head i: rows (group member, query) of one matrix per KV head.
     queries = q.reshape(b, h, g * n, q.shape[-1])
-    qpos = new_pos.repeat(g).view(1, 1, g * n, 1)
-
-    cand = pos.unsqueeze(2)
-    visible = (cand >= 0) & (cand <= qpos)
+    # Visibility is compared in int32 (positions stay far below 2^31): the compiled softmax loop evaluates it per
+    # (query, candidate), and int32 vectorizes twice as wide as int64.
+    qpos = new_pos.to(torch.int32).repeat(g).view(1, 1, g * n, 1)
+    slot_pos = pos_slots.to(torch.int32).unsqueeze(2)
+    new_cand = new_pos.to(torch.int32).view(1, 1, 1, n)
+    vis_s = (slot_pos >= 0) & (slot_pos <= qpos)
+    vis_n = (new_cand >= 0) & (new_cand <= qpos)
     if sliding:
-        visible = visible & (cand > qpos - sliding)
-    # Slots and new tokens are multiplied separately: concatenating K/V would copy the whole cache every call.
+        vis_s = vis_s & (slot_pos > qpos - sliding)
+        vis_n = vis_n & (new_cand > qpos - sliding)
+    # Slots and new tokens stay separate all the way (logits, softmax, signals): concatenating K/V would copy the
+    # whole cache, and concatenating the [queries, candidates] logits or probabilities costs a full extra pass.
+    # The softmax over both parts is torch.softmax's formula, exp(x - max) / sum, computed piecewise.
     acc = torch.promote_types(k_slots.dtype, torch.float32)  # softmax and signals in fp32 (fp64 for fp64 inputs)
-    logits = torch.cat([queries @ k_slots.transpose(-1, -2), queries @ k_new.transpose(-1, -2)], dim=-1)
-    logits = logits.to(acc) * scale
-    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-    # A row with nothing visible would be NaN; it attends to nothing instead.
-    probs = probs.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
-    p = probs.to(v_slots.dtype)
-    out = p[..., :S] @ v_slots + p[..., S:] @ v_new
+    ls = ((queries @ k_slots.transpose(-1, -2)).to(acc) * scale).masked_fill(~vis_s, float("-inf"))
+    ln = ((queries @ k_new.transpose(-1, -2)).to(acc) * scale).masked_fill(~vis_n, float("-inf"))
+    m = torch.maximum(ls.amax(dim=-1, keepdim=True), ln.amax(dim=-1, keepdim=True))
+    # A row with nothing visible would be NaN; it attends to nothing instead (exp(-inf) = 0 over a finite max).
+    m = m.masked_fill(m == float("-inf"), 0.0)
+    es, en = torch.exp(ls - m), torch.exp(ln - m)
+    denom = es.sum(dim=-1, keepdim=True) + en.sum(dim=-1, keepdim=True)
+    denom = denom.masked_fill(denom == 0, 1.0)
+    ps, pn = es / denom, en / denom
+    out = ps.to(v_slots.dtype) @ v_slots + pn.to(v_new.dtype) @ v_new
     out = out.view(b, h, g, n, -1).reshape(b, hq, n, -1)
 
-    per_query = probs.view(b, h, g, n, C)
     w = min(window, n)
-    attn = per_query.sum(dim=(2, 3))
-    window_attn = per_query[:, :, :, n - w:].sum(dim=(2, 3))
-    last_attn = per_query[:, :, :, n - 1].sum(dim=2)
+
+    def per_candidate(f):
+        """`f` of the `[b, h, group, n, candidates]` probabilities, slots then new tokens on the last dim."""
+        return torch.cat([f(ps.view(b, h, g, n, S)), f(pn.view(b, h, g, n, n))], dim=-1)
+
+    attn = per_candidate(lambda x: x.sum(dim=(2, 3)))
+    window_attn = per_candidate(lambda x: x[:, :, :, n - w:].sum(dim=(2, 3)))
+    last_attn = per_candidate(lambda x: x[:, :, :, n - 1].sum(dim=2))
     acc_attn = torch.cat([state, state.new_zeros(b, h, n)], dim=2).to(acc) + attn
     # Norms of cached entries were stored when they were written: no second pass over the whole K/V cache.
     key_norm = torch.cat([norms[..., 0].to(acc), torch.linalg.vector_norm(k_new, dim=-1, dtype=acc)], dim=-1)
@@ -96,6 +108,15 @@ def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tenso
     return score.masked_fill(s.pos < 0, float("-inf"))
 
 
+def _top_indices(x: Tensor, k: int, *, largest: bool) -> Tensor:
+    """`torch.topk(x, k, dim=-1, largest=largest).indices`. For k = 1 (every decode step) an arg-reduction instead,
+    which Inductor fuses into its own loops rather than calling ATen's top-k: the keys ranked for dropping are unique,
+    and where `dst`/`src` tie (no free slot / nothing to write) the write of that row is a no-op either way."""
+    if k == 1:
+        return (x.argmax if largest else x.argmin)(dim=-1, keepdim=True)
+    return torch.topk(x, k, dim=-1, largest=largest).indices
+
+
 def evict(
     score: Tensor, pos: Tensor, acc_attn: Tensor, key_norm: Tensor, value_norm: Tensor, totals: Tensor,
     k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals_buf: Tensor,
@@ -114,15 +135,15 @@ def evict(
     order_key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
     idx = torch.arange(C, device=dev)
     tie = torch.where(pos >= 0, pos + C, idx)
-    dropped = torch.topk(order_key * 2**32 + tie, C - keep, dim=-1, largest=False).indices
+    dropped = _top_indices(order_key * 2**32 + tie, C - keep, largest=False)
     is_dropped = torch.zeros_like(pos, dtype=torch.bool).scatter(-1, dropped, True)
     free, new_kept = is_dropped[..., :S], ~is_dropped[..., S:]
 
     # Pair freed slots (lowest index first) with kept new tokens (in order). There are at least as many freed slots
     # as kept new tokens; the remaining rows of the fixed-size write hit distinct slots and write them unchanged.
     t = min(n, S)
-    dst = torch.topk(torch.where(free, S - idx[:S], 0), t, dim=-1).indices
-    src = torch.topk(torch.where(new_kept, n - idx[:n], 0), t, dim=-1).indices
+    dst = _top_indices(torch.where(free, S - idx[:S], 0), t, largest=True)
+    src = _top_indices(torch.where(new_kept, n - idx[:n], 0), t, largest=True)
     write = torch.arange(t, device=dev) < new_kept.sum(dim=-1, keepdim=True)
     bi = torch.arange(b, device=dev).view(b, 1, 1)
     hi = torch.arange(h, device=dev).view(1, h, 1)
