@@ -62,9 +62,13 @@ class ExpectedAttention(Rule):
         z = torch.einsum("bhgd,bhcd->bhgc", mu, keys) / math.sqrt(d)
         if self.use_covariance:
             centred = (q - (q * use).sum(dim=3, keepdim=True) / use.sum()) * use
-            cov = torch.einsum("bhgnd,bhgne->bhgde", centred, centred) / use.sum()
-            cov = R @ cov @ R.T
-            z = z + torch.einsum("bhcd,bhgde,bhce->bhgc", keys, cov, keys) / (2 * d)
+            if n < d:  # k^T (R S R^T) k = |centred R^T k|^2 / N: rank n, cheaper than the d x d form (decode: n = 1)
+                proj = torch.einsum("bhgnd,bhcd->bhgnc", centred, keys @ R)
+                z = z + proj.square().sum(dim=3) / use.sum() / (2 * d)
+            else:
+                cov = torch.einsum("bhgnd,bhgne->bhgde", centred, centred) / use.sum()
+                cov = R @ cov @ R.T
+                z = z + torch.einsum("bhcd,bhgde,bhce->bhgc", keys, cov, keys) / (2 * d)
         scoreable = (s.pos >= self.n_sink).unsqueeze(2)
         p = torch.softmax(z.masked_fill(~scoreable, float("-inf")), dim=-1).nan_to_num(0.0).mean(dim=2)
         if self.use_vnorm:
