@@ -85,7 +85,7 @@ def cmd_compare(args) -> int:
                     max_new_tokens=args.max_new_tokens)
     plan = runner.plan()
     todo = sum(len(t) for _, t in plan)
-    print(f"[fxbudget] {name}: {len(plan)} samples x configurations -> {todo} rows to run "
+    print(f"[fxbudget] {name}: {todo} rows to run on {len(plan)} samples "
           f"(protocol {grid.protocol}, prefill {'shared per sample' if grid.shares_prefill else 'per rule'}, "
           f"backend {grid.backend or 'none (eager kernel)'}); results in {runner.path}", file=sys.stderr)
     if grid.share_prefill and not grid.shares_prefill:

@@ -100,11 +100,15 @@ def test_shards_merge_to_the_single_run(single_run, tiny_dir, tmp_path):
     assert (tmp_path / "m" / "report.md").is_file()
 
 
-@pytest.mark.parametrize("protocol", ["query-aware", "streaming"])
-def test_other_protocols_and_chunked_prefill(tiny_dir, tmp_path, protocol):
-    rows = compare(tiny_dir, tmp_path, "--protocol", protocol, "--chunk-size", "128")
+@pytest.mark.parametrize("protocol, backend", [("query-aware", "none"), ("streaming", "none"),
+                                               ("query-agnostic", "aot_eager")])
+def test_other_protocols_chunked_prefill_and_compiled(tiny_dir, tmp_path, protocol, backend):
+    rows = compare(tiny_dir, tmp_path, "--protocol", protocol, "--chunk-size", "128", "--backend", backend)
     budgeted = [r for r in rows.values() if r["rule"] != "full"]
-    assert all(r["protocol"] == protocol and r["chunk_size"] == 128 and not r["shared_prefill"] for r in budgeted)
+    assert all(r["protocol"] == protocol and r["chunk_size"] == 128 and not r["shared_prefill"]
+               and r["backend"] == backend for r in budgeted)
+    if backend != "none":
+        assert sum(r["compile_s"] for r in budgeted) > 0
     full = {(r["task"], r["sample"]): r["prediction"] for r in rows.values() if r["rule"] == "full"}
     for r in budgeted:
         if r["budget"] == 4096:
@@ -128,3 +132,38 @@ def test_rules_command_lists_every_rule(capsys):
     assert main(["rules"]) == 0
     out = capsys.readouterr().out
     assert all(f"`{name}`" in out for name in available())
+
+
+@pytest.mark.model
+def test_real_model_smoke(tmp_path):
+    """A short real run on the embedded model: the reference finds the pass key, rows and report are complete."""
+    assert main(["compare", "--tasks", "passkey", "--lengths", "600", "--rules", "full,snapkv", "--budgets", "128",
+                 "--samples", "1", "--out", str(tmp_path), "--quiet"]) == 0
+    rows = {r["rule"]: r for r in load_rows([tmp_path])}
+    assert set(rows) == {"full", "snapkv"}
+    assert rows["full"]["score"] == 1.0, rows["full"]["prediction"]
+    assert rows["full"]["model"] == "Qwen2.5-Coder-0.5B-Instruct" and abs(rows["full"]["n_tokens"] - 600) <= 12
+    assert rows["snapkv"]["kernel_fingerprint"] and rows["snapkv"]["shared_prefill"]
+    assert rows["snapkv"]["kv_bytes"] < rows["full"]["kv_bytes"] / 2
+    assert "| full (unmodified model) |" in (tmp_path / "report.md").read_text()
+
+
+def test_inspect_prints_the_rewritten_graph(tiny_dir, capsys):
+    assert main(["inspect", "--model", tiny_dir, "--rule", "h2o", "--budget", "16", "--tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "def forward" in out and "topk" in out  # the kernel's eviction is in the graph
+    assert "scaled_dot_product_attention" not in out  # every SDPA call was rewritten
+    assert "# kernel fingerprint (rule ops masked): " in out
+
+
+def test_user_task_file(tiny_dir, tmp_path):
+    lines = [{"context": "Notes. The vault code is 4242. More notes follow here.", "question": "What is the vault code?",
+              "answer": "4242", "answer_prefix": "The code is"},
+             {"context": "A list: red, green, blue.", "question": "Name two colours.", "answer": ["red", "blue"]}]
+    path = tmp_path / "mytask.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert main(["compare", "--model", tiny_dir, "--tasks", "", "--task-file", str(path), "--rules", "full,tova",
+                 "--budgets", "8", "--max-new-tokens", "3", "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    rows = load_rows([tmp_path / "out"])
+    assert len(rows) == 4 and {r["task"] for r in rows} == {"mytask"}
+    assert {tuple(r["answers"]) for r in rows} == {("4242",), ("red", "blue")}

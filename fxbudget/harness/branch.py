@@ -29,7 +29,7 @@ _PER_CANDIDATE = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "v
 
 @dataclass
 class _Recorder(Rule):
-    """Keeps everything (its cache covers the prefill) and stores the new tokens' part of each call's signals."""
+    """Stores the new tokens' part of each call's signals (its own eviction is irrelevant)."""
 
     name = "recorder"
     window: int = DEFAULT_WINDOW
@@ -67,7 +67,9 @@ def shared_prefill(model: nn.Module, input_ids: Tensor, *, window: int = DEFAULT
     """
     n = input_ids.shape[1]
     recorder = _Recorder(window=window)
-    fx_compile(model, rule=recorder, budget=n, backend=None)  # the cache holds everything: nothing is evicted
+    # One slot per layer: what the record cache keeps does not matter (only its sliding layers are reused), and the
+    # new tokens' signals do not depend on the number of empty slots; fewer slots make the recorded forward cheaper.
+    fx_compile(model, rule=recorder, budget=1, backend=None)
     try:
         cache = model.forward.new_cache(input_ids.shape[0])
         with torch.no_grad(), recording() as calls:

@@ -79,7 +79,8 @@ def _by(rows, key) -> dict:
     out = defaultdict(list)
     for r in rows:
         out[r.get(key)].append(r)
-    return dict(sorted(out.items(), key=lambda kv: str(kv[0])))
+    return dict(sorted(out.items(), key=lambda kv: (not isinstance(kv[0], (int, float)), kv[0] if
+                                                     isinstance(kv[0], (int, float)) else str(kv[0]))))
 
 
 def markdown(rows: list[dict], plots: list[str]) -> str:
@@ -121,11 +122,13 @@ def _cost_table(rows) -> str:
     lines = ["| rule | budget | prefill s | decode s | output tokens | KV MiB | compile s |", "|---" * 7 + "|"]
     for rule in _rule_order(rows):
         for budget, rs in _by([r for r in rows if r["rule"] == rule], "budget").items():
-            shared = " (shared)" if rs[0].get("shared_prefill") else ""
-            lines.append(f"| {rule} | {budget if budget is not None else '-'} | "
-                         f"{mean(r['prefill_s'] for r in rs):.2f}{shared} | {mean(r['decode_s'] for r in rs):.2f} | "
-                         f"{mean(r['output_tokens'] for r in rs):.1f} | {mean(r['kv_bytes'] for r in rs) / 2**20:.1f} | "
-                         f"{sum(r['compile_s'] for r in rs):.1f} |")
+            prefill = f"{mean(r['prefill_s'] for r in rs):.2f}"
+            if rs[0].get("shared_prefill"):  # the forward ran once per sample for all rules; this row branched
+                prefill = f"{mean(r['prefill_s'] - r['branch_s'] for r in rs):.1f} shared + " \
+                          f"{mean(r['branch_s'] for r in rs):.2f}"
+            lines.append(f"| {rule} | {budget if budget is not None else '-'} | {prefill} | "
+                         f"{mean(r['decode_s'] for r in rs):.2f} | {mean(r['output_tokens'] for r in rs):.1f} | "
+                         f"{mean(r['kv_bytes'] for r in rs) / 2**20:.1f} | {sum(r['compile_s'] for r in rs):.1f} |")
     return "\n".join(lines)
 
 
@@ -167,12 +170,15 @@ def plot(rows: list[dict], out_dir: Path) -> list[str]:
         budgets = sorted({r["budget"] for r in rs})
         lengths = sorted({r["length"] for r in rs})
         depths = sorted({round(r["depth"], 1) for r in rs})
-        fig, axes = plt.subplots(1, len(budgets), figsize=(2.2 + 1.2 * len(lengths) * len(budgets), 3.2),
-                                 squeeze=False)
+        fig, axes = plt.subplots(1, len(budgets), figsize=(1.8 + 1.3 * len(lengths) * len(budgets), 3.2),
+                                 squeeze=False, sharey=True, constrained_layout=True)
         for ax, b in zip(axes[0], budgets):
             grid = [[_cell([r for r in rs if r["budget"] == b and r["length"] == n and round(r["depth"], 1) == d])
                      for n in lengths] for d in depths]
             im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            for y, line in enumerate(grid):
+                for x, v in enumerate(line):
+                    ax.text(x, y, "" if v != v else f"{v:.2f}", ha="center", va="center", fontsize=8)
             ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
             ax.set_yticks(range(len(depths)), [f"{d:.1f}" for d in depths])
             ax.set_xlabel("context tokens")

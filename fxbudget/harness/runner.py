@@ -46,7 +46,7 @@ class Grid:
     tasks: list[str] = field(default_factory=lambda: ["passkey"])
     lengths: list[int] = field(default_factory=lambda: [2000])
     rules: list[str] = field(default_factory=lambda: ["full", "streamingllm", "h2o", "snapkv", "tova", "knorm"])
-    budgets: list[int] = field(default_factory=lambda: [64, 128, 256])
+    budgets: list[int] = field(default_factory=lambda: [128, 256, 512, 1024])
     samples: int = 3
     seed: int = 0
     protocol: str = "query-agnostic"
@@ -59,6 +59,8 @@ class Grid:
     def validate(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        if not self.tasks and not self.task_files:
+            raise ValueError("nothing to run: give --tasks and/or --task-file")
         for t in self.tasks:
             if t not in TASKS:
                 raise ValueError(f"unknown task {t!r}; known tasks: {', '.join(TASKS)}")
@@ -255,7 +257,8 @@ class Runner:
         ctx, question = (x.to(next(model.parameters()).device) for x in chat_ids(self.tok, sample))
         max_new = self.max_new or sample.max_new_tokens
         base = {"model": self.model_name, "task": sample.task, "length": unit.length, "sample": unit.index,
-                "seed": sample.seed, "n_tokens": ctx.shape[1], "question_tokens": question.shape[1],
+                "seed": sample.seed, "n_tokens": sample.n_tokens, "prompt_tokens": ctx.shape[1] + question.shape[1],
+                "question_tokens": question.shape[1],
                 "depth": sample.depth, "answers": sample.answers, "protocol": g.protocol, "chunk_size": g.chunk_size,
                 "backend": g.backend or "none", **self.env}
         bar.set_description(f"{sample.task[:24]} {unit.length or ''} #{unit.index}")
