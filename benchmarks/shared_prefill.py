@@ -2,13 +2,13 @@
 
     OMP_NUM_THREADS=1 python benchmarks/shared_prefill.py [--tokens 2000] [--separate 3] [--out ...]
 
-On the embedded model, one ~2K-token passkey context, the demo grid's 15 configurations (streamingllm, h2o, snapkv,
-tova, knorm x budgets 64/128/256), eager kernel, one-call prefill:
+On the embedded model, one ~2K-token passkey context, the demo grid's 20 configurations (streamingllm, h2o, snapkv,
+tova, knorm x budgets 128/256/512/1024), eager kernel, one-call prefill:
 - shared: one recorded forward (`shared_prefill`), then `branch` for every configuration;
 - separate: `--separate` of the configurations prefilled on their own (each a full forward), interleaved with the
   shared side so both see the same machine state. Each separate cache is checked equal to its branched one.
 The speed-up for the measured configurations is measured directly; for the whole grid it is the per-configuration
-cost of a separate prefill (median) times 15 over shared + 15 branches (all measured).
+cost of a separate prefill (median) times 20 over shared + 20 branches (all measured).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from _common import ROOT, env_info, header_lines, md_table, setup_threads, write_md
 
 RULES = ("streamingllm", "h2o", "snapkv", "tova", "knorm")
-BUDGETS = (64, 128, 256)
+BUDGETS = (128, 256, 512, 1024)
 
 
 def main() -> None:
@@ -42,7 +42,8 @@ def main() -> None:
     model, tok = load_default(progress=False)
     ctx, _ = chat_ids(tok, passkey(tok, args.tokens, seed=0))
     configs = [(r, b) for b in BUDGETS for r in RULES]
-    measured = configs[:: len(configs) // args.separate][: args.separate]  # spread over rules and budgets
+    step = len(configs) // args.separate + 1  # spread the measured ones over rules and budgets
+    measured = [configs[(i * step) % len(configs)] for i in range(args.separate)]
 
     def cache_for(rule, budget):
         fxbudget.compile(model, rule=rule, budget=budget, backend=None, headroom=64)

@@ -146,15 +146,23 @@ def plot(rows: list[dict], out_dir: Path) -> list[str]:
         return written
     tasks = _by(rows, "task")
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
+    rules = [r for r in _rule_order(rows) if r != REFERENCE]
     for ax, (task, trs) in zip(axes[0], tasks.items()):
         for rule in _rule_order(trs):
             rs = [r for r in trs if r["rule"] == rule]
             if rule == REFERENCE:
                 ax.axhline(mean(r["score"] for r in rs), color="k", ls="--", lw=1, label="full (unmodified)")
                 continue
+            i = rules.index(rule)
+            # Rules often tie: distinct markers and a small horizontal offset keep every line visible.
+            shift = 2 ** (0.04 * (i - (len(rules) - 1) / 2))
             points = sorted((b, mean(r["score"] for r in brs)) for b, brs in _by(rs, "budget").items())
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=rule)
+            ax.plot([p[0] * shift for p in points], [p[1] for p in points], marker="os^Dv<>PX*"[i % 10],
+                    ls=("-", "--", "-.", ":")[i % 4], label=rule)
         ax.set_xscale("log", base=2)
+        budgets = sorted({r["budget"] for r in trs if r["budget"] is not None})
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
         ax.set_title(task)
         ax.set_xlabel("budget (KV entries per layer and head)")
         ax.set_ylabel("accuracy")
