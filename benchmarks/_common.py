@@ -7,7 +7,7 @@ Generic on purpose (no fxbudget imports at module level), so every benchmark scr
 `benchmarks/` is not a package: scripts run as `python benchmarks/<name>.py`, so this module is importable as
 `_common` from them (their own directory is on `sys.path`). Other callers can `sys.path.insert(0, "benchmarks")`.
 
-Stable API (do not rename): setup_threads, env_info, header_lines, command_line, load_str, sync, timed,
+Stable API (do not rename): setup_threads, tune_malloc, env_info, header_lines, command_line, load_str, sync, timed,
 interleaved, median, median_us, md_table, write_md, ROOT.
 """
 
@@ -38,6 +38,31 @@ def setup_threads(n: int = 1) -> int:
 
     torch.set_num_threads(n)
     return n
+
+
+_MALLOC = {"tuned": False}
+
+
+def tune_malloc() -> bool:
+    """Keep large temporaries on glibc's heap instead of fresh mmap/munmap pages per call.
+
+    A prefill chunk allocates and frees tens of MB of scores per call; by default glibc serves each from a new mmap and
+    returns it on free, so every call pays page faults again, by an amount that depends on allocation order, not on
+    the work (it made one rule 1.5x slower than an identical one in fairness_spread). Serving every allocation from
+    the heap and never trimming it keeps the pages. Same effect as MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647
+    in the environment. Returns whether it applied (glibc only).
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        # M_MMAP_MAX = 0: no mmap at all (the threshold caps at 32 MiB; a budget-4096 prefill's scores are larger);
+        # M_TRIM_THRESHOLD: never give freed heap pages back.
+        ok = libc.mallopt(-4, 0) == 1 and libc.mallopt(-1, 2**31 - 1) == 1
+    except (OSError, AttributeError):
+        ok = False
+    _MALLOC["tuned"] = ok
+    return ok
 
 
 def _cpu_model() -> str:
@@ -72,6 +97,8 @@ def env_info(device: str = "cpu") -> dict:
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "load": load_str(),
         "device": device,
+        "malloc": "glibc, no mmap, trim threshold 2 GiB (tune_malloc)" if _MALLOC["tuned"]
+        else "default",
     }
     try:
         import transformers
@@ -107,7 +134,8 @@ def header_lines(title: str, info: dict | None = None, command: str | None = Non
     return [
         f"# {title}", "",
         f"- Machine: {info['cpu']}, {info['cores']} cores{gpu}; device `{dev}`",
-        f"- torch threads {info['torch_threads']}, OMP_NUM_THREADS={info['omp_num_threads']}",
+        f"- torch threads {info['torch_threads']}, OMP_NUM_THREADS={info['omp_num_threads']}; malloc: "
+        f"{info.get('malloc', 'default')}",
         f"- Python {info['python']}, torch {info['torch']}, transformers {info['transformers']}",
         f"- Date {info['date']}; {load}",
         f"- Command: `{command or command_line()}`", "",

@@ -19,7 +19,7 @@ import sys
 import time
 
 from _common import (LayerCase, ROOT, env_info, header_lines, interleaved, load_str, md_table, median_us,
-                     setup_threads, write_md)
+                     setup_threads, tune_malloc, write_md)
 
 GOAL = 3.0  # issue 5: compiled >= 3x faster than eager at the layer level
 
@@ -91,6 +91,7 @@ def main() -> int:
                                                "--quick writes nothing unless given)")
     args = p.parse_args()
     setup_threads(1)
+    tune_malloc()
     if args.quick:
         args.budgets, args.reps, args.no_model = "256", 20, True
     if args.device != "cpu":

@@ -19,7 +19,7 @@ import json
 import sys
 
 from _common import (LayerCase, ROOT, env_info, header_lines, interleaved, load_str, md_table, median_us,
-                     setup_threads, write_md)
+                     setup_threads, tune_malloc, write_md)
 
 GOAL = 1.10  # issue 5: budget attention / static-cache SDPA
 
@@ -41,6 +41,7 @@ def main() -> int:
                                                "--quick writes nothing unless given)")
     args = p.parse_args()
     setup_threads(1)
+    tune_malloc()
     if args.quick:
         args.budgets, args.chunk, args.reps = "256", 0, 30
     info = env_info(args.device)
