@@ -44,25 +44,16 @@ _MALLOC = {"tuned": False}
 
 
 def tune_malloc() -> bool:
-    """Keep large temporaries on glibc's heap instead of fresh mmap/munmap pages per call.
+    """Keep large temporaries on glibc's heap instead of fresh mmap/munmap pages per call (`fxbudget.harness.malloc`).
 
-    A prefill chunk allocates and frees tens of MB of scores per call; by default glibc serves each from a new mmap and
-    returns it on free, so every call pays page faults again, by an amount that depends on allocation order, not on
-    the work (it made one rule 1.5x slower than an identical one in fairness_spread). Serving every allocation from
-    the heap and never trimming it keeps the pages. Same effect as MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647
-    in the environment. Returns whether it applied (glibc only).
+    A prefill chunk allocates and frees tens of MB of scores per call; by default glibc serves each from a new mmap
+    and returns it on free, so every call pays page faults again, by an amount that depends on allocation order, not
+    on the work (it made one rule 1.5x slower than an identical one in fairness_spread). Returns whether it applied.
     """
-    try:
-        import ctypes
+    from fxbudget.harness.malloc import tune_malloc as tune
 
-        libc = ctypes.CDLL("libc.so.6")
-        # M_MMAP_MAX = 0: no mmap at all (the threshold caps at 32 MiB; a budget-4096 prefill's scores are larger);
-        # M_TRIM_THRESHOLD: never give freed heap pages back.
-        ok = libc.mallopt(-4, 0) == 1 and libc.mallopt(-1, 2**31 - 1) == 1
-    except (OSError, AttributeError):
-        ok = False
-    _MALLOC["tuned"] = ok
-    return ok
+    _MALLOC["tuned"] = tune()
+    return _MALLOC["tuned"]
 
 
 def _cpu_model() -> str:

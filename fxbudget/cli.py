@@ -67,6 +67,7 @@ def _setup_threads(threads: int | None) -> None:
 
 def cmd_compare(args) -> int:
     from .harness.report import accuracy_table, load_rows, report
+    from .harness.malloc import tune_malloc
     from .harness.runner import Grid, Runner
     from .models import load_model
 
@@ -79,6 +80,8 @@ def cmd_compare(args) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise SystemExit(f"fxbudget compare: {e}") from None
     _setup_threads(args.threads)
+    if not args.default_malloc:
+        tune_malloc()
     start = time.perf_counter()
     model, tokenizer, name = load_model(args.model)
     runner = Runner(model, tokenizer, name, grid, args.out, shard=args.shard, progress=not args.quiet,
@@ -190,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="runs/compare", help="results folder (rerunning resumes)")
     c.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--default-malloc", action="store_true", help="keep glibc's default malloc (by default freed "
+                   "heap pages are kept: large per-call temporaries then cost no page faults; see harness/malloc.py)")
     c.set_defaults(func=cmd_compare)
 
     r = sub.add_parser("report", help="merge result folders (e.g. shards) into one report")

@@ -5,7 +5,7 @@
 Passkey retrieval and multi-key needle-in-a-haystack (RULER) at ~2K tokens; the unmodified model (full cache) as
 the reference row, then streamingllm, h2o, snapkv, tova and knorm at budgets 128/256/512/1024 (6-50% of the
 context), query-agnostic protocol, three samples per task. The prefill is computed once per sample and the cache
-branched per rule and budget. About 11 minutes on a 2-core CPU; rerunning resumes (completed rows are skipped).
+branched per rule and budget. About 9 minutes on a 2-core CPU; rerunning resumes (completed rows are skipped).
 Results: runs/demo/.
 """
 

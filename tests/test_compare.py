@@ -15,7 +15,7 @@ GRID = ["--tasks", "passkey,niah_multikey", "--lengths", "300", "--rules", "full
         "--budgets", "32,4096", "--samples", "2", "--max-new-tokens", "4", "--quiet"]
 ROW_FIELDS = ("model", "rule", "rule_params", "budget", "protocol", "chunk_size", "window", "dtype", "device", "torch",
               "transformers", "kernel_fingerprint", "peak_mem_bytes", "kv_bytes", "prefill_s", "decode_s",
-              "compile_s", "output_tokens", "prediction", "score", "depth", "n_tokens", "answers")
+              "compile_s", "output_tokens", "prediction", "score", "depth", "n_tokens", "answers", "malloc")
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,7 @@ def test_rows_report_and_plots(single_run):
         missing = [f for f in ROW_FIELDS if f not in r]
         assert not missing, missing
         assert r["protocol"] == "query-agnostic" and 0.0 <= r["score"] <= 1.0
+        assert r["malloc"] == "glibc heap only, no trim"  # compare keeps freed heap pages (harness/malloc.py)
     budgeted = [r for r in rows.values() if r["rule"] != "full"]
     assert len({r["kernel_fingerprint"] for r in budgeted}) == 1  # one shared kernel
     assert all(r["shared_prefill"] for r in budgeted)

@@ -32,6 +32,7 @@ from ..api import kernel_fingerprint
 from ..backend import INNER_BACKENDS, kernel_window
 from ..rules import get
 from .branch import branch, shared_prefill
+from .malloc import malloc_setting
 from .tasks import TASKS, Sample, chat_ids, load_jsonl, make_samples, score
 
 PROTOCOLS = ("query-agnostic", "query-aware", "streaming")
@@ -180,7 +181,8 @@ def environment(model: nn.Module) -> dict:
         version = "unknown"
     return {"torch": torch.__version__, "transformers": transformers.__version__, "fxbudget": version,
             "python": platform.python_version(), "dtype": str(p.dtype).removeprefix("torch."), "device": str(p.device),
-            "threads": torch.get_num_threads(), "machine": platform.machine(), "platform": sys.platform}
+            "threads": torch.get_num_threads(), "malloc": malloc_setting(), "machine": platform.machine(),
+            "platform": sys.platform}
 
 
 class Runner:
