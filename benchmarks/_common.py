@@ -7,7 +7,7 @@ Generic on purpose (no fxbudget imports at module level), so every benchmark scr
 `benchmarks/` is not a package: scripts run as `python benchmarks/<name>.py`, so this module is importable as
 `_common` from them (their own directory is on `sys.path`). Other callers can `sys.path.insert(0, "benchmarks")`.
 
-Stable API (do not rename): setup_threads, tune_malloc, env_info, header_lines, command_line, load_str, sync, timed,
+Stable API (do not rename): setup_threads, tune_malloc, emit, env_info, header_lines, command_line, load_str, sync, timed,
 interleaved, median, median_us, md_table, write_md, ROOT.
 """
 
@@ -192,6 +192,16 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> list[s
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
     return lines
+
+
+def emit(lines: Sequence[str], out: str | None, quick: bool, name: str) -> None:
+    """Write a script's report to `out`, or to benchmarks/results/<name>.md unless it is a `--quick` smoke run (then
+    only print it)."""
+    out = out or (None if quick else str(ROOT / "benchmarks" / "results" / f"{name}.md"))
+    if out:
+        write_md(out, lines)
+    else:
+        print("\n".join(lines))
 
 
 def write_md(path: str | Path, lines: Sequence[str]) -> str:

@@ -18,8 +18,8 @@ import argparse
 import sys
 import time
 
-from _common import (LayerCase, ROOT, env_info, header_lines, interleaved, load_str, md_table, median_us,
-                     setup_threads, tune_malloc, write_md)
+from _common import (LayerCase, env_info, header_lines, interleaved, load_str, md_table, median_us,
+                     setup_threads, tune_malloc, emit)
 
 GOAL = 3.0  # issue 5: compiled >= 3x faster than eager at the layer level
 
@@ -134,11 +134,7 @@ def main() -> int:
               "exp dominate (prefill chunks, large budgets). The 3x goal is therefore reachable for decode at "
               "small budgets at best, not for prefill chunks: there the eager path already spends most of its time "
               "in the same BLAS calls."]
-    out = args.out or (None if args.quick else str(ROOT / "benchmarks" / "results" / "compiled_vs_eager.md"))
-    if out:
-        write_md(out, lines)
-    else:
-        print("\n".join(lines))
+    emit(lines, args.out, args.quick, "compiled_vs_eager")
     return 0
 
 

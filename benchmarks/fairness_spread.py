@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _common import (LayerCase, ROOT, env_info, header_lines, interleaved, load_str, md_table, median_us,
-                     setup_threads, tune_malloc, write_md)
+from _common import (LayerCase, env_info, header_lines, interleaved, load_str, md_table, median_us,
+                     setup_threads, tune_malloc, emit)
 
 GOAL = 1.05  # issue 5: max/min latency across rules
 
@@ -117,11 +117,7 @@ def main() -> int:
               "(`window`, `streamingllm`, `knorm`, identical work) took 26-29 ms in one order and 30-45 ms in another; "
               "with the tuning all three took 23.5 ms. Decode times grow with the number of rules in one run (each rule's "
               "cache competes for the CPU caches); the ratios are measured in one interleaved run."]
-    out = args.out or (None if args.quick else str(ROOT / "benchmarks" / "results" / "fairness_spread.md"))
-    if out:
-        write_md(out, lines)
-    else:
-        print("\n".join(lines))
+    emit(lines, args.out, args.quick, "fairness_spread")
     return 0
 
 

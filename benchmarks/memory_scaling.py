@@ -73,6 +73,21 @@ def _peak_delta_mb(base: int) -> float:
     return (_status()["VmHWM"] - base) / 2**20
 
 
+def _fill_full(cache, ctx: int, budget: int, gen):
+    """Make an empty BudgetCache look full after `ctx` tokens: random K/V at `budget` positions out of [0, ctx)."""
+    import torch
+
+    for layer in cache.layers:
+        layer.keys.normal_(generator=gen)
+        layer.values.normal_(generator=gen)
+        layer.pos.copy_(torch.sort(torch.randperm(ctx, generator=gen)[:budget]).values.expand_as(layer.pos))
+        layer.norms[..., 0].copy_(layer.keys.norm(dim=-1))
+        layer.norms[..., 1].copy_(layer.values.norm(dim=-1))
+        layer.seen.fill_(ctx)
+    cache.admit(budget)
+    return cache
+
+
 def _dyn_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
@@ -184,15 +199,7 @@ def _synth_timing_child(ctx: int, a) -> dict:
     cfg = _synth_cfg(a.layers)
     fwd = _stack(a.layers)
     gen = torch.Generator().manual_seed(0)
-    b = fxbudget.BudgetCache(cfg, a.budget)
-    for layer in b.layers:  # a full budget cache after `ctx` tokens: `budget` positions out of [0, ctx)
-        layer.keys.normal_(generator=gen)
-        layer.values.normal_(generator=gen)
-        layer.pos.copy_(torch.sort(torch.randperm(ctx, generator=gen)[:a.budget]).values.expand_as(layer.pos))
-        layer.norms[..., 0].copy_(layer.keys.norm(dim=-1))
-        layer.norms[..., 1].copy_(layer.values.norm(dim=-1))
-        layer.seen.fill_(ctx)
-    b.admit(a.budget)
+    b = _fill_full(fxbudget.BudgetCache(cfg, a.budget), ctx, a.budget, gen)
     d = DynamicCache()
     with torch.no_grad():
         for start in range(0, ctx, 4096):
@@ -284,15 +291,7 @@ def _model_decode_child(contexts: list[int], a) -> dict:
     nxt = torch.tensor([[tok.encode(" the")[0]]])
     rows = []
     for ctx in contexts:
-        b = compiled.new_cache(1)
-        for layer in b.layers:
-            layer.keys.normal_(generator=gen)
-            layer.values.normal_(generator=gen)
-            layer.pos.copy_(torch.sort(torch.randperm(ctx, generator=gen)[:a.budget]).values.expand_as(layer.pos))
-            layer.norms[..., 0].copy_(layer.keys.norm(dim=-1))
-            layer.norms[..., 1].copy_(layer.values.norm(dim=-1))
-            layer.seen.fill_(ctx)
-        b.admit(a.budget)
+        b = _fill_full(compiled.new_cache(1), ctx, a.budget, gen)
         d = DynamicCache()
         for i in range(cfg.num_hidden_layers):
             hd = cfg.hidden_size // cfg.num_attention_heads

@@ -18,8 +18,8 @@ import argparse
 import json
 import sys
 
-from _common import (LayerCase, ROOT, env_info, header_lines, interleaved, load_str, md_table, median_us,
-                     setup_threads, tune_malloc, write_md)
+from _common import (LayerCase, env_info, header_lines, interleaved, load_str, md_table, median_us,
+                     setup_threads, tune_malloc, emit)
 
 GOAL = 1.10  # issue 5: budget attention / static-cache SDPA
 
@@ -110,11 +110,7 @@ def main() -> int:
               "the normalization (one full pass less); (2) `evict` replaces top-k with k = 1 (every decode step) by "
               "argmin/argmax, which Inductor fuses into its loops instead of three ATen top-k calls. Semantics are "
               "unchanged (the kernel tests pass)."]
-    out = args.out or (None if args.quick else str(ROOT / "benchmarks" / "results" / "overhead.md"))
-    if out:
-        write_md(out, lines)
-    else:
-        print("\n".join(lines))
+    emit(lines, args.out, args.quick, "overhead")
     return 0
 
 
