@@ -40,9 +40,6 @@ def setup_threads(n: int = 1) -> int:
     return n
 
 
-_MALLOC = {"tuned": False}
-
-
 def tune_malloc() -> bool:
     """Keep large temporaries on glibc's heap instead of fresh mmap/munmap pages per call (`fxbudget.harness.malloc`).
 
@@ -52,8 +49,15 @@ def tune_malloc() -> bool:
     """
     from fxbudget.harness.malloc import tune_malloc as tune
 
-    _MALLOC["tuned"] = tune()
-    return _MALLOC["tuned"]
+    return tune()
+
+
+def _malloc_setting() -> str:
+    try:
+        from fxbudget.harness.malloc import malloc_setting
+    except ImportError:  # a peer venv without fxbudget never tunes malloc
+        return "default"
+    return malloc_setting()
 
 
 def _cpu_model() -> str:
@@ -88,8 +92,7 @@ def env_info(device: str = "cpu") -> dict:
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "load": load_str(),
         "device": device,
-        "malloc": "glibc, no mmap, trim threshold 2 GiB (tune_malloc)" if _MALLOC["tuned"]
-        else "default",
+        "malloc": _malloc_setting(),
     }
     try:
         import transformers

@@ -89,10 +89,14 @@ def measure(
     # Norms of cached entries were stored when they were written: no second pass over the whole K/V cache.
     key_norm = torch.cat([norms[..., 0].to(acc), torch.linalg.vector_norm(k_new, dim=-1, dtype=acc)], dim=-1)
     value_norm = torch.cat([norms[..., 1].to(acc), torch.linalg.vector_norm(v_new, dim=-1, dtype=acc)], dim=-1)
-    totaled = (attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos)
-    totals = torch.stack([x.to(acc).sum(dim=-1) for x in totaled], dim=-1)
+    totals = signal_totals((attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos), acc)
     return (out, totals, attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, queries, k_slots, k_new,
             new_pos, inv_freq)
+
+
+def signal_totals(totaled: tuple[Tensor, ...], acc: torch.dtype) -> Tensor:
+    """Per-call totals of the `TOTALED` signals (in that order), `[batch, kv_heads, len(TOTALED)]`."""
+    return torch.stack([x.to(acc).sum(dim=-1) for x in totaled], dim=-1)
 
 
 def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tensor:

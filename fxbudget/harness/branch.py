@@ -19,7 +19,7 @@ from ..api import compile as fx_compile
 from ..backend import kernel_window
 from ..cache import MARKER_TENSORS, BudgetCache
 from ..eager import recording
-from ..kernel import DEFAULT_WINDOW, SIGNAL_NAMES, TOTALED, budget_attention, evict, rule_region
+from ..kernel import DEFAULT_WINDOW, SIGNAL_NAMES, TOTALED, budget_attention, evict, rule_region, signal_totals
 from ..rules import Rule, get
 from ..rules.base import Signals
 
@@ -135,7 +135,7 @@ def _evict_from_signals(rec: dict, layer, rule: Rule, window: int, v_new: Tensor
             sig[name] = layer.keys if name == "k_slots" else rec[name]
     n = rec["k_new"].shape[2]
     score = rule_region(rule, layer.budget, min(window, n), *sig.values())
-    totals = torch.stack([sig[name].to(sig["attn"].dtype).sum(dim=-1) for name in TOTALED], dim=-1)
+    totals = signal_totals(tuple(sig[name] for name in TOTALED), sig["attn"].dtype)
     evict(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], totals, layer.keys,
           layer.values, layer.pos, layer.state, layer.norms, layer.totals, rec["k_new"], v_new, keep=layer.keep)
 

@@ -75,10 +75,11 @@ def accuracy_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _by(rows, key) -> dict:
+def _by(rows, *keys) -> dict:
+    """Rows grouped by the value of `keys` (a tuple of values when several), in a stable order."""
     out = defaultdict(list)
     for r in rows:
-        out[r.get(key)].append(r)
+        out[r.get(keys[0]) if len(keys) == 1 else tuple(r.get(k) for k in keys)].append(r)
     return dict(sorted(out.items(), key=lambda kv: (not isinstance(kv[0], (int, float)), kv[0] if
                                                      isinstance(kv[0], (int, float)) else str(kv[0]))))
 
@@ -99,7 +100,7 @@ def markdown(rows: list[dict], plots: list[str]) -> str:
                              f"**{len(prints)} different kernel fingerprints** — rules did not run the same kernel"
                              if prints else "no budgeted rows")]
     for protocol, prs in _by(rows, "protocol").items():
-        for (chunk, backend), crs in _by_setup(prs).items():
+        for (chunk, backend), crs in _by(prs, "chunk_size", "backend").items():
             parts += ["", f"## protocol: {protocol}, prefill chunk: {chunk or 'one call'}, backend: {backend}", "",
                       "### all tasks", "", accuracy_table(crs)]
             for task, trs in _by(crs, "task").items():
@@ -109,13 +110,6 @@ def markdown(rows: list[dict], plots: list[str]) -> str:
     if plots:
         parts += ["", "## plots", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(parts) + "\n"
-
-
-def _by_setup(rows) -> dict:
-    out = defaultdict(list)
-    for r in rows:
-        out[(r["chunk_size"], r["backend"])].append(r)
-    return out
 
 
 def _cost_table(rows) -> str:
