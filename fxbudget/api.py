@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .backend import INNER_BACKENDS, NoBudgetAttentionError, kernel_window, make_backend
 from .cache import BudgetCache, _layer_shapes
 from .eager import BudgetAttentionMode
+from .kernel import DEFAULT_BLOCK, check_block
 from .passes.sdpa import REGION_KEY
 from .rules import Rule, get
 
@@ -62,7 +63,8 @@ def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: in
 
 
 def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *, chunk_size: int | None = None,
-            backend: str | None = "inductor", headroom: int = 0, **rule_params) -> nn.Module:
+            backend: str | None = "inductor", headroom: int = 0, block: int = DEFAULT_BLOCK,
+            **rule_params) -> nn.Module:
     """Run `model` with a KV cache of at most `budget` entries per layer and KV head, evicting with `rule`.
 
     The model is modified in place (its `forward` is wrapped) and returned; `model.forward.restore()` undoes it.
@@ -77,6 +79,9 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
         backend: "inductor" (default), "aot_eager" or "eager" (Dynamo backends, same semantics), or None to run the
             kernel eagerly without torch.compile (the reference path).
         headroom: extra slots for caches created automatically (see `BudgetCache.frozen`).
+        block: queries per block in the kernel's measure phase: a call's attention temporaries are
+            O(block x candidates) whatever its length (a kernel setting: compare rules at one value; a call shorter
+            than `block` is one block).
         **rule_params: hyperparameters of a named rule, e.g. `window=64` for snapkv.
 
     Returns:
@@ -85,12 +90,13 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
     _validate(model, budget, backend, chunk_size)
     rule_obj = get(rule, **rule_params)
     _check_int("headroom", headroom, 0)
+    check_block(block)
     if rule_obj.needs_rope and getattr(model, "config", None) is not None \
             and not BudgetCache(model.config, 1).has_rope:
         raise ValueError(f"rule {rule_obj.name!r} needs the model's RoPE frequencies, and this model does not use "
                          "default RoPE on its full-attention layers")
     model.forward = BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend,
-                                  headroom=headroom)
+                                  headroom=headroom, block=block)
     return model
 
 
@@ -135,8 +141,8 @@ class BudgetForward:
     """The wrapped forward of a model compiled by fxbudget (installed as `model.forward`)."""
 
     def __init__(self, model: nn.Module, rule: Rule, budget: int, *, chunk_size: int | None,
-                 backend: str | None, headroom: int):
-        self.model, self.rule, self.budget = model, rule, budget
+                 backend: str | None, headroom: int, block: int = DEFAULT_BLOCK):
+        self.model, self.rule, self.budget, self.block = model, rule, budget, block
         self.chunk_size, self.backend, self.headroom = chunk_size, backend, headroom
         self.window = kernel_window(rule)
         self.original = model.forward
@@ -157,10 +163,10 @@ class BudgetForward:
             self._run = self._run_eager
         else:
             self._run = _compiled_forward(
-                self.original, make_backend(rule, inner=backend, on_graph=self.graphs.append))
+                self.original, make_backend(rule, inner=backend, on_graph=self.graphs.append, block=block))
 
     def _run_eager(self, *args, **kwargs):
-        with BudgetAttentionMode(self.rule, self.window, self._sliding_rule) as mode:
+        with BudgetAttentionMode(self.rule, self.window, self._sliding_rule, self.block) as mode:
             out = self.original(*args, **kwargs)
         if mode.pending:  # the same failure the graph pass reports when it finds no SDPA to rewrite
             raise NoBudgetAttentionError(

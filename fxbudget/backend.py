@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 from torch import fx
 
-from .kernel import DEFAULT_WINDOW
+from .kernel import DEFAULT_BLOCK, DEFAULT_WINDOW
 from .passes.sdpa import rewrite
 from .rules import Rule, get
 
@@ -25,7 +25,7 @@ def kernel_window(rule: Rule) -> int:
 
 def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
                  on_graph: Callable[[fx.GraphModule], None] | None = None, cudagraphs: bool = False,
-                 **rule_params):
+                 block: int = DEFAULT_BLOCK, **rule_params):
     """A Dynamo backend that rewrites SDPA for `rule` and compiles with `inner`.
 
     Args:
@@ -35,6 +35,7 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
             does for the plain inductor backend; `mode=` cannot be combined with a custom backend). The cache tensors
             are mutated in place, so mark them with `torch._dynamo.mark_static_address` first, or Inductor skips
             CUDA graphs for the graph.
+        block: queries per block of the kernel's measure phase (a kernel setting: one value per comparison).
         **rule_params: hyperparameters for a named rule.
     Returns:
         A callable `(gm, example_inputs, **kwargs) -> compiled forward` for `torch.compile(backend=...)`.
@@ -46,7 +47,7 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
     sliding_rule = get("window")
 
     def fxbudget_backend(gm: fx.GraphModule, example_inputs, **kwargs):
-        report = rewrite(gm, rule, window, sliding_rule)
+        report = rewrite(gm, rule, window, sliding_rule, block)
         if not report.rewritten:
             raise NoBudgetAttentionError(
                 "fxbudget found no scaled_dot_product_attention fed by a BudgetCache in the traced graph "

@@ -40,6 +40,17 @@ MARKER_STATICS = ("layer", "budget", "keep", "sliding")
 
 
 @dataclass
+class CallPositions:
+    """What `BudgetForward` knows of the call about to run, shared by every layer of a cache: the positions of its
+    tokens per row (`[batch, n]`, -1 = a pad: left padding of a batch, or fxbudget's own padding to a shape bucket)
+    and how many tokens the call adds to `get_seq_length()` (pads of the user's batch count, fxbudget's do not).
+    Unset (None), a layer numbers the call's tokens on from `seen` (a plain `torch.compile(backend="fxbudget")`)."""
+
+    pos: Tensor | None = None
+    advance: Tensor | None = None
+
+
+@dataclass
 class MarkerCall:
     """The marker's arguments, attached to its eager outputs so the eager interceptor can find them."""
 
@@ -61,8 +72,9 @@ class BudgetLayer(CacheLayerMixin):
 
     def __init__(self, *, layer: int, budget: int, slots: int, sliding: int, batch_size: int, kv_heads: int,
                  head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device,
-                 inv_freq: Tensor | None = None):
+                 inv_freq: Tensor | None = None, call: CallPositions | None = None):
         super().__init__()
+        self.call = call if call is not None else CallPositions()
         self.layer, self.budget, self.slots, self.sliding = layer, budget, slots, sliding
         self.is_sliding = bool(sliding)
         self.dtype, self.device = dtype, device
@@ -84,9 +96,13 @@ class BudgetLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        n = key_states.shape[-2]
-        new_pos = torch.arange(n, device=self.device) + self.seen
-        self.seen.add_(n)
+        b, _, n, _ = key_states.shape
+        if self.call.pos is None:
+            new_pos = (torch.arange(n, device=self.device) + self.seen).expand(b, n)
+            self.seen.add_(n)
+        else:
+            new_pos = self.call.pos
+            self.seen.add_(self.call.advance)
         tensors = (self.keys, self.values, self.pos, self.state, self.norms, self.totals, key_states, value_states,
                    new_pos, self.inv_freq)
         k, v = torch.ops.fxbudget.candidates(*tensors, self.layer, self.budget, self.keep, self.sliding)
@@ -186,19 +202,22 @@ class BudgetCache(Cache):
                                  f"= {n_full * budget}: every rule must hold the same memory")
         full_budgets = iter(layer_budgets or [budget] * n_full)
         layers = []
+        self.call = CallPositions()  # set by BudgetForward around each call; shared by every layer
         for i, t in enumerate(types):
             sliding = cfg.sliding_window if t == "sliding_attention" else 0
             b = sliding or next(full_budgets)
             layers.append(BudgetLayer(
                 layer=i, budget=b, slots=sliding or b + headroom, sliding=sliding,
                 batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
-                dtype=dtype, device=device, inv_freq=_rope_inv_freq(cfg, t, head_dim)))
+                dtype=dtype, device=device, inv_freq=_rope_inv_freq(cfg, t, head_dim), call=self.call))
         super().__init__(layers=layers)
         self.budget, self.headroom, self.dtype, self.device = budget, headroom, dtype, device
         self.layer_budgets = [layer.budget for layer in self._budgeted()]
         self.has_rope = not any(bool(layer.inv_freq.isnan().any()) for layer in self._budgeted())
         self.signature = (n_layers, kv_heads, head_dim, heads, types)  # what the cache was built for
         self._frozen = False
+        # The next position of each row (rows of a left-padded batch have seen different numbers of tokens).
+        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         # Entries held per budgeted layer, tracked on the Python side to check head-room before a call runs.
         self._held = [0] * len(self.layer_budgets)
 
@@ -257,6 +276,7 @@ class BudgetCache(Cache):
         for layer in self._budgeted():
             layer.keep = layer.budget
         self._held, self._frozen = [0] * len(self.layer_budgets), False
+        self.next_pos.zero_()
 
     def _budgeted(self):
         return [layer for layer in self.layers if not layer.sliding]

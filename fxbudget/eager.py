@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .cache import MARKER_TENSORS
-from .kernel import budget_attention
+from .kernel import DEFAULT_BLOCK, budget_attention
 from .rules.base import Rule
 
 _active = threading.local()
@@ -41,9 +41,9 @@ def require_interceptor() -> "BudgetAttentionMode":
 class BudgetAttentionMode(TorchFunctionMode):
     """Replace SDPA over a BudgetCache's candidates with `budget_attention(rule)`, eagerly."""
 
-    def __init__(self, rule: Rule, window: int, sliding_rule: Rule):
+    def __init__(self, rule: Rule, window: int, sliding_rule: Rule, block: int = DEFAULT_BLOCK):
         super().__init__()
-        self.rule, self.window, self.sliding_rule = rule, window, sliding_rule
+        self.rule, self.window, self.sliding_rule, self.block = rule, window, sliding_rule, block
         self.pending: dict[int, int] = {}  # marker calls not (yet) consumed by an SDPA call: id -> layer
 
     def __enter__(self):
@@ -106,4 +106,4 @@ def run_kernel(query, call, scale, cfg: BudgetAttentionMode):
         record.append((query, call, scale))
     rule = cfg.sliding_rule if call.sliding else cfg.rule
     return budget_attention(query, *call.tensors, rule=rule, budget=call.budget, keep=call.keep,
-                            sliding=call.sliding, window=cfg.window, scale=scale)
+                            sliding=call.sliding, window=cfg.window, scale=scale, block=cfg.block)

@@ -59,3 +59,24 @@ def test_branch_refuses_used_or_foreign_cache(prefilled):
             branch(sp, m.forward.new_cache(1), "h2o")
     finally:
         model.forward.restore()
+
+
+@pytest.mark.parametrize("rule", ["snapkv", "h2o", "expected_attention"])
+def test_branch_equals_separate_run_in_query_blocks(rule):
+    """With a one-call prefill computed in several query blocks (40 tokens, block 16), the branch stays bit-identical."""
+    model = tiny_model("gemma3", layers=3)
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(5))
+    sp = shared_prefill(model, ids, block=16)
+    with torch.no_grad():
+        m = fxbudget.compile(model, rule=rule, budget=12, backend=None, block=16)
+        try:
+            separate = m.forward.new_cache(2)
+            out = m(input_ids=ids, past_key_values=separate, logits_to_keep=1)
+            branched = m.forward.new_cache(2)
+            branch(sp, branched, m.forward.rule)
+            for i, (a, b) in enumerate(zip(separate.layers, branched.layers)):
+                for name in SLOT_TENSORS:
+                    assert torch.equal(getattr(a, name), getattr(b, name)), (i, name)
+            assert torch.equal(out.logits[:, -1], sp.logits)
+        finally:
+            model.forward.restore()

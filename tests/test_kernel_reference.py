@@ -133,8 +133,9 @@ def ref_call(entries, q, k_new, v_new, pos0, rule, budget, scale, window, head, 
     rule=st.sampled_from(RULES),
     batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.integers(1, 3), head_dim=st.sampled_from([4, 8]),
     budget=st.integers(1, 10), calls=st.lists(st.integers(1, 9), min_size=1, max_size=4), seed=st.integers(0, 2**16),
+    block=st.integers(2, 6),  # calls of up to 9 tokens span several query blocks, the last one partly filled
 )
-def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim, budget, calls, seed):
+def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim, budget, calls, seed, block):
     gen = torch.Generator().manual_seed(seed)
     b, h, g, d = batch, kv_heads, group, head_dim
     f64 = dict(dtype=torch.float64)
@@ -157,7 +158,7 @@ def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim
         v_new = torch.randn(b, h, n, d, generator=gen, **f64)
         new_pos = torch.arange(pos0, pos0 + n)
         out = budget_attention(q, k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq,
-                               rule=rule_obj, budget=budget, window=window)
+                               rule=rule_obj, budget=budget, window=window, block=block)
         for bi in range(b):
             for hi in range(h):
                 qh = q[bi, hi * g:(hi + 1) * g]

@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
 from ..cache import MARKER_TENSORS  # importing cache also registers the marker op
-from ..kernel import SIGNAL_NAMES, evict, measure, rule_region
+from ..kernel import DEFAULT_BLOCK, SIGNAL_NAMES, evict, measure, rule_region
 from ..rules.base import Rule
 
 log = logging.getLogger("fxbudget")
@@ -90,7 +91,9 @@ def _splice(gm: fx.GraphModule, sub: fx.GraphModule, inputs: list[fx.Node], befo
 
 
 def _trace(fn, fakes, mode: FakeTensorMode) -> fx.GraphModule:
-    with mode:
+    # Outside Dynamo's tracing context: the kernel's own fake mode (and its shape environment, which holds the
+    # scan's unbacked block bounds) must be the one make_fx finds, not the one of the graph being compiled.
+    with torch._guards.tracing(None), mode:
         return make_fx(fn, tracing_mode="real")(*fakes)
 
 
@@ -109,27 +112,36 @@ class KernelTrace:
 
 
 def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
-                 scale: float | None) -> KernelTrace:
+                 scale: float | None, block: int = DEFAULT_BLOCK) -> KernelTrace:
     """Trace `measure`, `rule_region` and `evict` on fake tensors shaped like the example values `ev`."""
-    mode = FakeTensorMode()
+    # A shape environment for the data-dependent block bounds inside measure's scan (unbacked sizes).
+    mode = FakeTensorMode(shape_env=ShapeEnv())
     with mode:
         fake = {k: torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
                 for k, v in ev.items()}
-    phase1 = functools.partial(measure, window=window, sliding=sliding, scale=scale)
+    phase1 = functools.partial(measure, window=window, sliding=sliding, scale=scale, block=block, traced=True)
     phase2 = functools.partial(rule_region, rule, budget, min(window, fake["k_new"].shape[2]))
     phase3 = functools.partial(evict, keep=keep)
-    with mode:
-        _, f_totals, *f_signals = phase1(*[fake[a] for a in _MEASURE_ARGS])
-        f_score = phase2(*f_signals)
+    # Each phase is traced once; the next phase is traced on the fake values of the previous one's outputs (running
+    # measure a second time would mint new unbacked sizes for its scan).
+    traced_measure = _trace(phase1, [fake[a] for a in _MEASURE_ARGS], mode)
+    _, f_totals, *f_signals = _output_values(traced_measure)
+    traced_rule = _trace(phase2, f_signals, mode)
+    f_score = _output_values(traced_rule)
     f_sig = dict(zip(SIGNAL_NAMES, f_signals))
     return KernelTrace(
-        _trace(phase1, [fake[a] for a in _MEASURE_ARGS], mode),
-        _trace(phase2, f_signals, mode),
+        traced_measure, traced_rule,
         _trace(phase3, [f_score, *[f_sig[a] for a in _EVICT_SIGNALS], f_totals, *[fake[a] for a in _EVICT_ARGS]],
                mode))
 
 
-def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule) -> RewriteReport:
+def _output_values(gm: fx.GraphModule):
+    """The fake values a traced graph returns (make_fx records them as node metadata)."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    return pytree.tree_map(lambda x: x.meta["val"] if isinstance(x, fx.Node) else x, out)
+
+
+def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule, block: int = DEFAULT_BLOCK) -> RewriteReport:
     """Replace every marker-fed SDPA node of `gm` in place; returns what was rewritten and what was left alone."""
     report = RewriteReport()
     traces: dict[tuple, KernelTrace] = {}  # layers of one model share shapes: trace once per configuration
@@ -149,7 +161,7 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule) -> 
                budget, keep, sliding, args.get("scale"))
         if key not in traces:
             traces[key] = trace_kernel(ev, sliding_rule if sliding else rule, budget=budget, keep=keep,
-                                       sliding=sliding, window=window, scale=args.get("scale"))
+                                       sliding=sliding, window=window, scale=args.get("scale"), block=block)
         kt = traces[key]
 
         # Splice each phase before the SDPA node, feeding its outputs to the next phase.
