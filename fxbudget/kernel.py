@@ -70,7 +70,14 @@ def measure(
     last = qpos.amax(dim=-1, keepdim=True)
     valid = qpos >= 0
     weights = torch.stack([valid, valid & (qpos > last - w), valid & (qpos == last)], dim=1).to(acc)  # [b, 3, n]
-    blk = _Block(k_slots, v_slots, pos_slots.to(torch.int32), k_new, v_new, qpos.unsqueeze(1), scale, sliding, acc)
+    slot_pos = pos_slots.to(torch.int32)
+    live = S
+    if not traced and not bool((slot_pos >= 0).any()):
+        # Eagerly, a call on an empty cache (a prefill) skips its empty slots: they would add exact zeros. The
+        # compiled graph cannot branch on data and computes them.
+        live = 0
+    blk = _Block(k_slots[:, :, :live], v_slots[:, :, :live], slot_pos[..., :live], k_new, v_new, qpos.unsqueeze(1),
+                 scale, sliding, acc)
     R = min(block, n)
     if n <= R:
         out, sig_s, sig_n = blk(queries, qpos, weights, 0, n)
@@ -79,6 +86,8 @@ def measure(
     else:
         out, sig_s, sig_n = _loop_blocks(blk, q, qpos, weights, R)
     out = out.reshape(b, q.shape[1], n, -1)
+    if live < S:
+        sig_s = weights.new_zeros(b, h, 3, S)
 
     attn, window_attn, last_attn = (torch.cat([sig_s[:, :, i], sig_n[:, :, i]], dim=-1) for i in range(3))
     acc_attn = torch.cat([state, state.new_zeros(b, h, n)], dim=2).to(acc) + attn
@@ -115,30 +124,35 @@ class _Block:
         R = qpos.shape[1]
         g = gr // R
         qp = qpos.view(b, 1, 1, R, 1)
+        qs = qb * self.scale  # scaled once here ([queries, d]), not in the [queries, candidates] logits
 
         def logits(k: Tensor, kpos: Tensor) -> Tensor:
-            lg = (qb @ k.transpose(-1, -2)).to(self.acc).view(b, h, g, R, -1)
+            lg = (qs @ k.transpose(-1, -2)).to(self.acc).view(b, h, g, R, -1)
             kp = kpos.unsqueeze(2).unsqueeze(2)  # [b, h or 1, 1, 1, candidates]
             vis = (kp >= 0) & (kp <= qp)
             if self.sliding:
                 vis = vis & (kp > qp - self.sliding)
-            return lg.mul_(self.scale).masked_fill_(~vis, float("-inf"))
+            return lg.masked_fill_(~vis, float("-inf"))
 
         # In place from here on: one [queries, candidates] buffer per part is the block's whole working memory.
         ls = logits(self.k_slots, self.slot_pos)
         length = c1 - c0
         ln = logits(self.k_new.narrow(2, c0, length), self.new_pos.narrow(-1, c0, length))
-        m = torch.maximum(ls.amax(dim=-1, keepdim=True), ln.amax(dim=-1, keepdim=True))
+        m = ln.amax(dim=-1, keepdim=True)
+        if ls.shape[-1]:  # no slots: a prefill on an empty cache (eager)
+            m = torch.maximum(ls.amax(dim=-1, keepdim=True), m)
         # A row with nothing visible (a pad) would be NaN; it attends to nothing instead (exp(-inf) = 0).
         m = m.masked_fill(m == float("-inf"), 0.0)
-        es, en = ls.sub_(m).exp_(), ln.sub_(m).exp_()
+        es = ls.sub_(m).exp_().view(b, h, gr, -1)
+        en = ln.sub_(m).exp_().view(b, h, gr, -1)
         denom = es.sum(dim=-1, keepdim=True) + en.sum(dim=-1, keepdim=True)
-        denom = denom.masked_fill(denom == 0, 1.0)
-        ps, pn = es.div_(denom).view(b, h, gr, -1), en.div_(denom).view(b, h, gr, -1)
-        out = ps.to(self.v_slots.dtype) @ self.v_slots + pn.to(self.v_new.dtype) @ self.v_new.narrow(2, c0, length)
+        # The normalization is applied to the small results ([queries, d] and the weights), not to the probabilities.
+        inv = 1.0 / denom.masked_fill(denom == 0, 1.0)  # [b, h, group * R, 1]
+        out = (es.to(self.v_slots.dtype) @ self.v_slots + en.to(self.v_new.dtype) @ self.v_new.narrow(2, c0, length))
+        out = out * inv.to(out.dtype)
         # The three weighted sums over (group member, query) in one matmul per part: one read of the probabilities.
-        wg = weights.unsqueeze(2).expand(b, 3, g, R).reshape(b, 1, 3, gr)
-        return out, wg @ ps, wg @ pn
+        wg = weights.unsqueeze(2).expand(b, 3, g, R).reshape(b, 1, 3, gr) * inv.transpose(-1, -2)
+        return out, wg @ es, wg @ en
 
 
 def _loop_blocks(blk: _Block, q: Tensor, qpos: Tensor, weights: Tensor, R: int):
