@@ -19,6 +19,7 @@ from .backend import INNER_BACKENDS, NoBudgetAttentionError, kernel_window, make
 from .cache import BudgetCache, _layer_shapes
 from .eager import BudgetAttentionMode
 from .kernel import DEFAULT_BLOCK, check_block
+from .positions import call_positions
 from .passes.sdpa import REGION_KEY
 from .rules import Rule, get
 
@@ -226,18 +227,13 @@ class BudgetForward:
         if use_cache is False:
             raise ValueError("a budget-compiled model always uses its cache; do not pass use_cache=False")
         batch, n = x.shape[0], x.shape[1]
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            raise ValueError("padded batches are not supported yet: pass unpadded rows of equal length "
-                             "(positions come from the cache, visibility from positions)")
         cache = self._resolve_cache(past_key_values, batch)
-        if self.rule.never_evicts and not cache._frozen and not cache.fits(n):
+        # Each row's positions (-1 = a left pad): the kernel's visibility and the model's RoPE both use them.
+        pos = call_positions(cache, n, attention_mask, position_ids, x.device)
+        real = (pos >= 0).sum(-1)
+        if self.rule.never_evicts and not cache._frozen and not cache.fits(int(real.max())):
             raise ValueError(f"rule {self.rule.name!r} keeps everything, but {n} more tokens overflow budget "
                              f"{self.budget} ({cache.tokens_seen} seen): use a budget of at least the sequence")
-        if position_ids is not None:
-            seen = cache.tokens_seen
-            expected = torch.arange(seen, seen + n, device=position_ids.device).expand(batch, n)
-            if position_ids.shape[-1] != n or not torch.equal(position_ids.reshape(-1, n).expand(batch, n), expected):
-                raise ValueError("position_ids must continue the cache's positions (no padding or gaps supported)")
         step = self.chunk_size or n
         chunks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
         keep = kwargs.pop("logits_to_keep", 0)
@@ -249,9 +245,15 @@ class BudgetForward:
         for i, sl in enumerate(chunks):
             last = i == len(chunks) - 1
             part = {"input_ids": input_ids[:, sl]} if input_ids is not None else {"inputs_embeds": inputs_embeds[:, sl]}
-            cache.admit(sl.stop - sl.start)
-            outputs = self._call_once(past_key_values=cache, use_cache=True, **part, **kwargs,
-                                      logits_to_keep=(keep if last else 1) if tail_only else 0)
+            chunk_pos = pos[:, sl]
+            cache.admit(int((chunk_pos >= 0).sum(-1).max()))
+            cache.call.pos, cache.call.advance = chunk_pos, torch.tensor(sl.stop - sl.start, device=x.device)
+            try:
+                outputs = self._call_once(past_key_values=cache, use_cache=True, position_ids=chunk_pos.clamp(min=0),
+                                          **part, **kwargs, logits_to_keep=(keep if last else 1) if tail_only else 0)
+            finally:
+                cache.call.pos = cache.call.advance = None
+            cache.next_pos += (chunk_pos >= 0).sum(-1).to(cache.next_pos.device)
             if not tail_only:
                 logits.append(outputs.logits)
         if logits:

@@ -85,10 +85,10 @@ def test_compile_twice(model):
     _untouched(m)
 
 
-def test_left_padded_batch(model):
+def test_right_padded_batch(model):
     m = fxbudget.compile(fresh(model), budget=8, backend=None)
-    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
-    with pytest.raises(ValueError, match="padded batches are not supported"):
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    with pytest.raises(ValueError, match="must be left padding"):
         m(input_ids=torch.zeros(2, 3, dtype=torch.long), attention_mask=mask)
 
 

@@ -119,6 +119,7 @@ def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str) -> None
                 continue
             rec = next(signals)
             _evict_from_signals(rec, layer, rule, window, t[_V])
+    cache.next_pos.copy_(prefill.cache.next_pos)
 
 
 def _evict_from_signals(rec: dict, layer, rule: Rule, window: int, v_new: Tensor) -> None:
