@@ -27,9 +27,9 @@ from .rules.base import Rule, Signals
 
 DEFAULT_WINDOW = 32  # observation window shared by all rules of a run (snapkv's paper default)
 # Queries per block of `measure`: a kernel setting shared by every rule. A call's attention temporaries are
-# O(block x candidates); 256 keeps a 16K-token prefill's blocks near 100 MB (7 query heads per KV head) while each
-# block's matmuls stay large enough for BLAS.
-DEFAULT_BLOCK = 256
+# O(block x candidates): with 128, a 16K-token prefill's block buffer is ~120 MB (7 query heads per KV head, fp32),
+# while the block's matmuls stay large enough for BLAS (64-256 ran equally fast here; 512 was slower).
+DEFAULT_BLOCK = 128
 
 # Names of the tensors `measure` returns after the attention output and the totals: the `Signals` tensor fields.
 SIGNAL_NAMES = (
