@@ -18,7 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .backend import INNER_BACKENDS, NoBudgetAttentionError, kernel_window, make_backend
 from .cache import BudgetCache, _layer_shapes
 from .eager import BudgetAttentionMode
-from .passes.sdpa import REGION_KEY
+from .passes.sdpa import INTS_KEY, REGION_KEY
 from .rules import Rule, get
 
 log = logging.getLogger("fxbudget")
@@ -312,11 +312,15 @@ def inspect(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
 
 
 def _node_key(node: fx.Node, names: dict[fx.Node, str]) -> str:
+    # Kernel nodes carry their ints from the pass, budget-derived ones as `BudgetInt`; every other int is literal.
+    forms = iter(node.meta[INTS_KEY]) if INTS_KEY in node.meta else None
+
     def ref(a):
         if isinstance(a, fx.Node):
             return names[a]
-        # Sizes are ints: abstracted, so per-layer budgets (pyramidkv) and input lengths hash alike.
-        return "int" if isinstance(a, int) and not isinstance(a, bool) else repr(a)
+        if forms is not None and isinstance(a, int) and not isinstance(a, bool):
+            return repr(next(forms))
+        return repr(a)
 
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", str(node.target))
     if isinstance(node.target, torch._ops.OpOverload):
@@ -327,9 +331,18 @@ def _node_key(node: fx.Node, names: dict[fx.Node, str]) -> str:
 
 
 def graph_fingerprint(graphs: list[fx.GraphModule]) -> str:
-    """sha256 of the graphs' ops, their order, data flow and non-integer arguments, each run of rule-region ops
-    collapsed into one `<rule>` token. Integer arguments (sizes) are left out: the budget, the window and the input
-    length are recorded beside the fingerprint, not in it."""
+    """sha256 of the graphs' ops, their order, data flow and arguments, each run of rule-region ops collapsed into
+    one `<rule>` token.
+
+    Integer arguments are hashed, with one normalization: in the spliced kernel (`measure` and `evict`), an int that
+    grows with the layer's budget is hashed as `a*S+b` (S = the layer's slots). The pass finds them by tracing each
+    layer's kernel twice, at its slots and keep and at one more of each (`passes.sdpa.trace_kernel`): the ints that
+    change are budget-derived, and `a`, `b` come from the two values. So per-layer budgets (pyramidkv) and the run's
+    budget hash alike, while a kernel that keeps, slices, reduces or selects differently does not. Everything else is
+    literal: the call's length (the model's own ops outside the kernel carry it too: views, `arange`), the
+    observation window, the head sizes, dims. Fingerprints therefore compare rules at one input length and one
+    window (the runner records both). Two layers whose budgets sit on different sides of the call's length hash
+    differently: `evict` writes `min(n, S)` rows."""
     h = hashlib.sha256()
     for gm in graphs:
         names: dict[fx.Node, str] = {}
@@ -352,7 +365,8 @@ def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor, *, rule: str |
                        budget: int = 1024, cache: BudgetCache | None = None, **rule_params) -> str:
     """Hash of the rewritten graph with the rule's ops abstracted: equal for every rule means one shared kernel.
 
-    Sizes are not part of it (see `graph_fingerprint`), so rules with per-layer budgets compare too.
+    Budget-derived sizes are normalized (see `graph_fingerprint`), so rules with per-layer budgets compare too; the
+    input length and the window are part of it.
     Args and model handling as for `inspect`. Returns a hex sha256 string.
     """
     _check_int("budget", budget)

@@ -34,6 +34,79 @@ def test_fingerprint_equal_across_rules(monkeypatch):
     assert fxbudget.kernel_fingerprint(model, ids, rule="knorm", budget=40) != prints["knorm"]
 
 
+# A kernel change that only moves an integer (the window's slice, the number kept, a reduction dim) must change the
+# fingerprint: two variants of the shared kernel, `p` being the only difference between them.
+_KERNEL_VARIANTS = {
+    "window": ("measure", (0, -1), lambda f, p: lambda *a, window, **k: f(*a, window=window + p, **k)),
+    "keep": ("evict", (0, -1), lambda f, p: lambda *a, keep, **k: f(*a, keep=keep + p, **k)),
+    "reduction_dim": ("measure", (1, 2),
+                      lambda f, p: lambda *a, **k: (lambda r: (r[0], r[1].cumsum(p), *r[2:]))(f(*a, **k))),
+}
+
+
+@pytest.mark.parametrize("change", sorted(_KERNEL_VARIANTS))
+def test_fingerprint_sees_kernel_integers(monkeypatch, change):
+    from fxbudget.passes import sdpa
+
+    phase, params, variant = _KERNEL_VARIANTS[change]
+    original = getattr(sdpa, phase)
+    model = tiny_model("qwen2", layers=2)
+    ids = torch.randint(0, 96, (1, 12))
+    prints = []
+    for p in params:
+        monkeypatch.setattr(sdpa, phase, variant(original, p))
+        prints.append(fxbudget.kernel_fingerprint(model, ids, rule="snapkv", budget=8, window=4))
+    assert prints[0] != prints[1]
+
+
+class _WritesSignal(fxbudget.rules.Rule):
+    """Zeroes one of its signals in place (`k_slots` is the cache, `acc_attn` what evict writes back)."""
+
+    name = "writes_signal"
+
+    def __init__(self, signal):
+        self.signal = signal
+
+    def score(self, s):
+        getattr(s, self.signal).zero_()
+        return s.attn
+
+
+@pytest.mark.parametrize("signal", ["acc_attn", "k_slots"])
+def test_rule_writing_a_signal_is_refused_when_traced(signal):
+    model = tiny_model("qwen2", layers=1)
+    with pytest.raises(Exception, match=r"'writes_signal' writes a signal tensor in place \(aten.zero_.default\)"):
+        fxbudget.kernel_fingerprint(model, torch.randint(0, 96, (1, 12)), rule=_WritesSignal(signal), budget=8)
+
+
+@pytest.mark.parametrize("signal", ["acc_attn", "k_slots"])
+def test_rule_writing_a_signal_is_refused_eagerly(signal):
+    from fxbudget.kernel import RuleContractError
+
+    m = fxbudget.compile(tiny_model("qwen2", layers=1), rule=_WritesSignal(signal), budget=8, backend=None)
+    with pytest.raises(RuleContractError, match=r"writes a signal tensor in place \(aten.zero_.default\)"):
+        m(input_ids=torch.randint(0, 96, (1, 12)))
+
+
+def test_traced_rule_graph_writing_an_input_is_refused():
+    # The pass's own check of the traced rule graph (a backstop behind rule_region's refusal while tracing).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxbudget.kernel import RuleContractError
+    from fxbudget.passes.sdpa import _check_pure
+
+    def writes(x):
+        y = x.clone().clamp_min_(0)  # the rule's own temporary: allowed
+        x[..., :1].zero_()
+        return y
+
+    with FakeTensorMode():
+        gm = make_fx(writes)(torch.empty(2, 3))
+    with pytest.raises(RuleContractError, match=r"aten.zero_.default"):
+        _check_pure(gm, _WritesSignal("attn"))
+
+
 def test_fingerprint_equal_on_sliding_model():
     model = tiny_model("gemma3", layers=3)
     ids = torch.randint(0, 96, (1, 12))
@@ -196,9 +269,11 @@ def forward(self, L_forward_self_modules_emb_parameters_weight_ : torch.nn.param
     sum_15 = torch.ops.aten.sum.dim_IntList(_to_copy_3, [-1]);  _to_copy_3 = None
     stack = torch.ops.aten.stack.default([sum_9, sum_10, sum_11, sum_12, sum_13, sum_14, sum_15], -1);  sum_9 = sum_10 = sum_11 = sum_12 = sum_13 = sum_14 = sum_15 = None
     neg = torch.ops.aten.neg.default(cat_5)
+    isnan = torch.ops.aten.isnan.default(neg)
+    masked_fill_4 = torch.ops.aten.masked_fill.Scalar(neg, isnan, -inf);  neg = isnan = None
     lt = torch.ops.aten.lt.Scalar(cat, 0)
-    masked_fill_4 = torch.ops.aten.masked_fill.Scalar(neg, lt, -inf);  neg = lt = None
-    view_22 = torch.ops.aten.view.dtype(masked_fill_4, torch.int32);  masked_fill_4 = None
+    masked_fill_5 = torch.ops.aten.masked_fill.Scalar(masked_fill_4, lt, -inf);  masked_fill_4 = lt = None
+    view_22 = torch.ops.aten.view.dtype(masked_fill_5, torch.int32);  masked_fill_5 = None
     detach = torch.ops.aten.detach.default(view_22);  view_22 = None
     ge_2 = torch.ops.aten.ge.Scalar(detach, 0)
     bitwise_xor = torch.ops.aten.bitwise_xor.Scalar(detach, 2147483647)
@@ -246,35 +321,35 @@ def forward(self, L_forward_self_modules_emb_parameters_weight_ : torch.nn.param
     index_3 = torch.ops.aten.index.Tensor(l_kwargs_past_key_values_layers_0_values, [view_23, view_24, getitem_5])
     where_5 = torch.ops.aten.where.self(unsqueeze_2, index_2, index_3);  unsqueeze_2 = index_2 = index_3 = None
     index_put__1 = torch.ops.aten.index_put_.default(l_kwargs_past_key_values_layers_0_values, [view_23, view_24, getitem_5], where_5);  l_kwargs_past_key_values_layers_0_values = view_23 = view_24 = where_5 = index_put__1 = None
-    masked_fill_5 = torch.ops.aten.masked_fill.Scalar(l_kwargs_past_key_values_layers_0_pos, slice_1, -1)
+    masked_fill_6 = torch.ops.aten.masked_fill.Scalar(l_kwargs_past_key_values_layers_0_pos, slice_1, -1)
     slice_5 = torch.ops.aten.slice.Tensor(cat, 2, 4, 9223372036854775807);  cat = None
     gather = torch.ops.aten.gather.default(slice_5, -1, getitem_7);  slice_5 = None
-    gather_1 = torch.ops.aten.gather.default(masked_fill_5, -1, getitem_5)
+    gather_1 = torch.ops.aten.gather.default(masked_fill_6, -1, getitem_5)
     where_6 = torch.ops.aten.where.self(lt_1, gather, gather_1);  gather = gather_1 = None
-    scatter_1 = torch.ops.aten.scatter.src(masked_fill_5, -1, getitem_5, where_6);  masked_fill_5 = where_6 = None
+    scatter_1 = torch.ops.aten.scatter.src(masked_fill_6, -1, getitem_5, where_6);  masked_fill_6 = where_6 = None
     copy_ = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_pos, scatter_1);  l_kwargs_past_key_values_layers_0_pos = scatter_1 = copy_ = None
     slice_6 = torch.ops.aten.slice.Tensor(add_3, 2, 0, 4)
-    masked_fill_6 = torch.ops.aten.masked_fill.Scalar(slice_6, slice_1, 0.0);  slice_6 = None
+    masked_fill_7 = torch.ops.aten.masked_fill.Scalar(slice_6, slice_1, 0.0);  slice_6 = None
     slice_7 = torch.ops.aten.slice.Tensor(add_3, 2, 4, 9223372036854775807);  add_3 = None
     gather_2 = torch.ops.aten.gather.default(slice_7, -1, getitem_7);  slice_7 = None
-    gather_3 = torch.ops.aten.gather.default(masked_fill_6, -1, getitem_5)
+    gather_3 = torch.ops.aten.gather.default(masked_fill_7, -1, getitem_5)
     where_7 = torch.ops.aten.where.self(lt_1, gather_2, gather_3);  gather_2 = gather_3 = None
-    scatter_2 = torch.ops.aten.scatter.src(masked_fill_6, -1, getitem_5, where_7);  masked_fill_6 = where_7 = None
+    scatter_2 = torch.ops.aten.scatter.src(masked_fill_7, -1, getitem_5, where_7);  masked_fill_7 = where_7 = None
     copy__1 = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_state, scatter_2);  l_kwargs_past_key_values_layers_0_state = scatter_2 = copy__1 = None
     slice_8 = torch.ops.aten.slice.Tensor(cat_5, 2, 0, 4)
-    masked_fill_7 = torch.ops.aten.masked_fill.Scalar(slice_8, slice_1, 0.0);  slice_8 = None
+    masked_fill_8 = torch.ops.aten.masked_fill.Scalar(slice_8, slice_1, 0.0);  slice_8 = None
     slice_9 = torch.ops.aten.slice.Tensor(cat_5, 2, 4, 9223372036854775807);  cat_5 = None
     gather_4 = torch.ops.aten.gather.default(slice_9, -1, getitem_7);  slice_9 = None
-    gather_5 = torch.ops.aten.gather.default(masked_fill_7, -1, getitem_5)
+    gather_5 = torch.ops.aten.gather.default(masked_fill_8, -1, getitem_5)
     where_8 = torch.ops.aten.where.self(lt_1, gather_4, gather_5);  gather_4 = gather_5 = None
-    scatter_3 = torch.ops.aten.scatter.src(masked_fill_7, -1, getitem_5, where_8);  masked_fill_7 = where_8 = None
+    scatter_3 = torch.ops.aten.scatter.src(masked_fill_8, -1, getitem_5, where_8);  masked_fill_8 = where_8 = None
     slice_10 = torch.ops.aten.slice.Tensor(cat_6, 2, 0, 4)
-    masked_fill_8 = torch.ops.aten.masked_fill.Scalar(slice_10, slice_1, 0.0);  slice_10 = slice_1 = None
+    masked_fill_9 = torch.ops.aten.masked_fill.Scalar(slice_10, slice_1, 0.0);  slice_10 = slice_1 = None
     slice_11 = torch.ops.aten.slice.Tensor(cat_6, 2, 4, 9223372036854775807);  cat_6 = None
     gather_6 = torch.ops.aten.gather.default(slice_11, -1, getitem_7);  slice_11 = getitem_7 = None
-    gather_7 = torch.ops.aten.gather.default(masked_fill_8, -1, getitem_5)
+    gather_7 = torch.ops.aten.gather.default(masked_fill_9, -1, getitem_5)
     where_9 = torch.ops.aten.where.self(lt_1, gather_6, gather_7);  lt_1 = gather_6 = gather_7 = None
-    scatter_4 = torch.ops.aten.scatter.src(masked_fill_8, -1, getitem_5, where_9);  masked_fill_8 = getitem_5 = where_9 = None
+    scatter_4 = torch.ops.aten.scatter.src(masked_fill_9, -1, getitem_5, where_9);  masked_fill_9 = getitem_5 = where_9 = None
     stack_1 = torch.ops.aten.stack.default([scatter_3, scatter_4], -1);  scatter_3 = scatter_4 = None
     copy__2 = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_norms, stack_1);  l_kwargs_past_key_values_layers_0_norms = stack_1 = copy__2 = None
     copy__3 = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_totals, stack);  l_kwargs_past_key_values_layers_0_totals = stack = copy__3 = None

@@ -5,6 +5,9 @@ views, slicing, dtype moves) to the `fxbudget::candidates` marker emitted by `Bu
 replaced by the kernel's three phases (`measure`, `rule_region`, `evict`), each traced to core aten ops with `make_fx`
 and inlined; rule ops are tagged `node.meta["fxbudget_region"] = "rule"` (what `kernel_fingerprint` abstracts). The
 marker, the repeat_kv chain and the mask then have no users and are removed; in-place state updates are kept.
+
+Each spliced kernel node also carries its integer arguments in `node.meta["fxbudget_ints"]`, those that grow with the
+layer's budget written as `BudgetInt` (what `graph_fingerprint` hashes instead of the raw values).
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from ..cache import MARKER_TENSORS  # importing cache also registers the marker op
-from ..kernel import SIGNAL_NAMES, evict, measure, rule_region
+from ..kernel import SIGNAL_NAMES, RuleContractError, evict, measure, rule_region, storage_id, written_args
 from ..rules.base import Rule
 
 log = logging.getLogger("fxbudget")
 
 MARKERS = (torch.ops.fxbudget.candidates, torch.ops.fxbudget.candidates.default)
 REGION_KEY = "fxbudget_region"
+INTS_KEY = "fxbudget_ints"
 _VIEW_METHODS = {"expand", "reshape", "view", "contiguous", "to", "repeat_interleave", "unsqueeze", "__getitem__"}
 _VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.unsqueeze, torch.repeat_interleave}
 
@@ -108,13 +112,68 @@ class KernelTrace:
     evict: fx.GraphModule
 
 
-def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
-                 scale: float | None) -> KernelTrace:
-    """Trace `measure`, `rule_region` and `evict` on fake tensors shaped like the example values `ev`."""
-    mode = FakeTensorMode()
-    with mode:
-        fake = {k: torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
-                for k, v in ev.items()}
+@dataclass(frozen=True)
+class BudgetInt:
+    """An integer argument of a kernel op that grows with the layer's budget: `per_slot * slots + offset`."""
+
+    per_slot: int
+    offset: int
+
+    def __repr__(self) -> str:
+        return f"{self.per_slot}*S{self.offset:+d}"
+
+
+def _ints(node: fx.Node) -> list[int]:
+    """The node's integer arguments (bools excluded), args then kwargs, in `torch.fx.node.map_aggregate` order."""
+    out: list[int] = []
+
+    def visit(a):
+        if isinstance(a, int) and not isinstance(a, bool):
+            out.append(a)
+        return a
+
+    torch.fx.node.map_aggregate(node.args, visit)
+    torch.fx.node.map_aggregate(node.kwargs, visit)
+    return out
+
+
+def _mark_budget_ints(base: fx.GraphModule, grown: fx.GraphModule, slots: int) -> None:
+    """Store each node's ints in `meta[INTS_KEY]`, with those that change between `base` and `grown` (the same phase
+    traced with one more slot and one more kept entry) as `BudgetInt`. If the two graphs differ in structure (a
+    size-dependent code path), the ints stay literal: the fingerprint then differs across budgets, never hides a
+    difference."""
+    a, b = list(base.graph.nodes), list(grown.graph.nodes)
+    same = len(a) == len(b) and all(x.op == y.op and x.target == y.target and len(_ints(x)) == len(_ints(y))
+                                    for x, y in zip(a, b))
+    for i, x in enumerate(a):
+        ints = _ints(x)
+        if same:
+            ints = [v if w == v else BudgetInt(w - v, v - (w - v) * slots) for v, w in zip(ints, _ints(b[i]))]
+        x.meta[INTS_KEY] = ints
+
+
+def _grown(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """An empty tensor like `t` (same dtype, device, stride order) with one more element along `dim`."""
+    shape = list(t.shape)
+    shape[dim] += 1
+    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))  # outermost first, as laid out in memory
+    return torch.empty([shape[i] for i in order], dtype=t.dtype, device=t.device).permute(
+        [order.index(i) for i in range(t.dim())])
+
+
+def _check_pure(gm: fx.GraphModule, rule: Rule) -> None:
+    """The traced rule region must not write a signal (a backstop: `rule_region` refuses it while tracing)."""
+    inputs = {storage_id(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"}
+    for node in gm.graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable and any(
+                isinstance(a, fx.Node) and storage_id(a.meta["val"]) in inputs
+                for a in written_args(node.target, node.args, node.kwargs)):
+            raise RuleContractError(f"rule {rule.name or type(rule).__name__!r} writes a signal tensor in place "
+                                    f"({node.target}): a rule must be a pure function of the signals")
+
+
+def _trace_phases(fake: dict, rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
+                  scale: float | None, mode: FakeTensorMode) -> KernelTrace:
     phase1 = functools.partial(measure, window=window, sliding=sliding, scale=scale)
     phase2 = functools.partial(rule_region, rule, budget, min(window, fake["k_new"].shape[2]))
     phase3 = functools.partial(evict, keep=keep)
@@ -127,6 +186,31 @@ def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: 
         _trace(phase2, f_signals, mode),
         _trace(phase3, [f_score, *[f_sig[a] for a in _EVICT_SIGNALS], f_totals, *[fake[a] for a in _EVICT_ARGS]],
                mode))
+
+
+_SLOT_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms")  # slot dim 2
+
+
+def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
+                 scale: float | None) -> KernelTrace:
+    """Trace `measure`, `rule_region` and `evict` on fake tensors shaped like the example values `ev`.
+
+    `measure` and `evict` are traced a second time with one more slot and `keep + 1`, to find which of their integer
+    arguments grow with the budget (`_mark_budget_ints`).
+    """
+    mode = FakeTensorMode()
+    with mode:
+        fake = {k: torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
+                for k, v in ev.items()}
+        grown = {k: _grown(v, 2) if k in _SLOT_TENSORS else v for k, v in fake.items()}
+    kt = _trace_phases(fake, rule, budget=budget, keep=keep, sliding=sliding, window=window, scale=scale, mode=mode)
+    _check_pure(kt.rule, rule)
+    big = _trace_phases(grown, rule, budget=budget + 1, keep=keep + 1, sliding=sliding, window=window, scale=scale,
+                        mode=mode)
+    slots = ev["k_slots"].shape[2]
+    _mark_budget_ints(kt.measure, big.measure, slots)
+    _mark_budget_ints(kt.evict, big.evict, slots)
+    return kt
 
 
 def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule) -> RewriteReport:
@@ -142,14 +226,15 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule) -> 
             continue
         if args.get("dropout_p", 0.0):
             raise RuntimeError("fxbudget: SDPA with dropout (training mode?) cannot use a budget cache; call .eval()")
+        scale = args.get("scale")
         graph_in = {**dict(zip(MARKER_TENSORS, marker.args)), "q": args["query"]}
         layer, budget, keep, sliding = marker.args[len(MARKER_TENSORS):]
         ev = {name: _example(n) for name, n in graph_in.items()}
         key = (tuple((k, tuple(v.shape), tuple(v.stride()), v.dtype, v.device) for k, v in ev.items()),
-               budget, keep, sliding, args.get("scale"))
+               budget, keep, sliding, scale)
         if key not in traces:
             traces[key] = trace_kernel(ev, sliding_rule if sliding else rule, budget=budget, keep=keep,
-                                       sliding=sliding, window=window, scale=args.get("scale"))
+                                       sliding=sliding, window=window, scale=scale)
         kt = traces[key]
 
         # Splice each phase before the SDPA node, feeding its outputs to the next phase.
