@@ -4,7 +4,7 @@ For each `scaled_dot_product_attention` node of a Dynamo graph, the key argument
 views, slicing, dtype moves) to the `fxbudget::candidates` marker emitted by `BudgetCache.update`. The node is then
 replaced by the kernel's three phases (`measure`, `rule_region`, `evict`), each traced to core aten ops with `make_fx`
 and inlined; rule ops are tagged `node.meta["fxbudget_region"] = "rule"` (what `kernel_fingerprint` abstracts). The
-marker, the repeat_kv chain and the mask then have no users and are removed; in-place state updates are kept.
+marker and the repeat_kv chain then have no users and are removed; in-place state updates are kept.
 
 Each spliced kernel node also carries its integer arguments in `node.meta["fxbudget_ints"]`, those that grow with the
 layer's budget written as `BudgetInt` (what `graph_fingerprint` hashes instead of the raw values).
@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 from ..cache import MARKER_TENSORS  # importing cache also registers the marker op
 from ..kernel import SIGNAL_NAMES, RuleContractError, evict, measure, rule_region, storage_id, written_args
 from ..rules.base import Rule
+from ..sdpa_args import bind, check
 
 log = logging.getLogger("fxbudget")
 
@@ -218,15 +219,13 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule) -> 
     report = RewriteReport()
     traces: dict[tuple, KernelTrace] = {}  # layers of one model share shapes: trace once per configuration
     for node in [n for n in gm.graph.nodes if is_sdpa(n)]:
-        args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), node.args))
-        args.update(node.kwargs)
+        args = bind(node.args, node.kwargs)
         marker = find_marker(args["key"], 0)
         if marker is None or find_marker(args["value"], 1) is not marker:
             report.untouched.append(node.name)
             continue
-        if args.get("dropout_p", 0.0):
-            raise RuntimeError("fxbudget: SDPA with dropout (training mode?) cannot use a budget cache; call .eval()")
-        scale = args.get("scale")
+        mask = args["attn_mask"]
+        scale = check(args, mask_dtype=_example(mask).dtype if isinstance(mask, fx.Node) else None)
         graph_in = {**dict(zip(MARKER_TENSORS, marker.args)), "q": args["query"]}
         layer, budget, keep, sliding = marker.args[len(MARKER_TENSORS):]
         ev = {name: _example(n) for name, n in graph_in.items()}
