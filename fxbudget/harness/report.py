@@ -89,6 +89,7 @@ def markdown(rows: list[dict], plots: list[str]) -> str:
     first = rows[0]
     models = sorted({r["model"] for r in rows})
     prints = {r["kernel_fingerprint"] for r in rows if r.get("kernel_fingerprint")}
+    windows = sorted({r["window"] for r in rows if r.get("window") is not None})
     parts = ["# fxbudget comparison", "",
              f"- model: {', '.join(models)}; dtype {first['dtype']}, device {first['device']}, "
              f"torch {first['torch']}, transformers {first['transformers']}, fxbudget {first['fxbudget']}, "
@@ -98,7 +99,11 @@ def markdown(rows: list[dict], plots: list[str]) -> str:
              "- kernel: " + (f"one shared kernel for every rule (fingerprint `{next(iter(prints))[:16]}`)"
                              if len(prints) == 1 else
                              f"**{len(prints)} different kernel fingerprints** — rules did not run the same kernel"
-                             if prints else "no budgeted rows")]
+                             if prints else "no budgeted rows"),
+             "- observation window (last queries of a call whose attention `window_attn` sums; one per comparison): "
+             + (f"{windows[0]}" if len(windows) == 1 else
+                f"**{len(windows)} different windows ({', '.join(map(str, windows))})**: rules did not see the same "
+                "signals" if windows else "none")]
     for protocol, prs in _by(rows, "protocol").items():
         for (chunk, backend), crs in _by(prs, "chunk_size", "backend").items():
             parts += ["", f"## protocol: {protocol}, prefill chunk: {chunk or 'one call'}, backend: {backend}", "",

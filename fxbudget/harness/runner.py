@@ -65,9 +65,13 @@ class Grid:
         for t in self.tasks:
             if t not in TASKS:
                 raise ValueError(f"unknown task {t!r}; known tasks: {', '.join(TASKS)}")
-        for r in self.rules:
-            if r != REFERENCE:
-                get(r, **self.rule_params.get(r, {}))  # raises, listing the known rules
+        windows = {r: kernel_window(get(r, **self.rule_params.get(r, {})))  # get raises, listing the known rules
+                   for r in self.rules if r != REFERENCE}
+        if len(set(windows.values())) > 1:
+            # The window is a parameter of the shared kernel's measure phase: rules compare only at one window.
+            raise ValueError("the rules of one comparison must share one observation window (it is part of the "
+                             "shared kernel), got " + ", ".join(f"{r} {w}" for r, w in windows.items())
+                             + "; run each window as its own comparison (e.g. --param snapkv.window=32)")
         for name, values in (("lengths", self.lengths), ("budgets", self.budgets)):
             if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
                 raise ValueError(f"{name} must be positive ints, got {values!r}")
