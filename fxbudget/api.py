@@ -108,12 +108,17 @@ def _compiled_forward(forward, backend):
     budget and shape of every `fxbudget.compile` call onto one code object and hit the recompile limit; a fresh
     entry per call gives each its own cache, freed with it.
     """
-    cfg = torch._dynamo.config
-    cfg.fail_on_recompile_limit_hit = True  # never fall back to eager silently
     code = _entry.__code__.replace(co_name=f"fxbudget_forward_{next(_ENTRIES)}")
     entry = torch.compile(types.FunctionType(code, _entry.__globals__), backend=backend, fullgraph=True,
                           dynamic=False)
-    return lambda **kwargs: entry(forward, kwargs)
+
+    def run(**kwargs):
+        # Past the recompile limit: an error, never a silent eager fallback. Set for fxbudget's own calls only (the
+        # process-wide setting is restored after each call).
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return entry(forward, kwargs)
+
+    return run
 
 
 def _layer_budgets(rule: Rule, budget: int, config) -> list[int] | None:

@@ -1,4 +1,5 @@
-"""The observation window is a property of the run: validated, never mixed in one comparison, printed in the report."""
+"""Properties of a run: one observation window (validated, never mixed, printed), and the report header naming it and
+the embedded model's weights."""
 
 import pytest
 
@@ -54,3 +55,11 @@ def test_report_header_names_the_window():
     assert "- observation window (" in markdown([_row("snapkv", 32), _row("h2o", 32)], [])
     assert ": 32\n" in markdown([_row("snapkv", 32), _row("h2o", 32)], [])
     assert "**2 different windows (32, 64)**" in markdown([_row("snapkv", 64), _row("h2o", 32)], [])
+
+
+def test_report_names_the_embedded_weights():
+    from fxbudget.models import DEFAULT_MODEL_NAME
+
+    text = markdown([_row("snapkv", 32, model=DEFAULT_MODEL_NAME)], [])
+    assert f"- model: {DEFAULT_MODEL_NAME} (Q4_K_M GGUF dequantized to fp32: 4-bit-quantized weights)" in text
+    assert "- model: m;" in markdown([_row("snapkv", 32)], [])  # other models are named as given

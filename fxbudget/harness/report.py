@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from ..models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_WEIGHTS
 from .runner import REFERENCE
 from .tasks import NEEDLE_TASKS
 
@@ -90,8 +91,10 @@ def markdown(rows: list[dict], plots: list[str]) -> str:
     models = sorted({r["model"] for r in rows})
     prints = {r["kernel_fingerprint"] for r in rows if r.get("kernel_fingerprint")}
     windows = sorted({r["window"] for r in rows if r.get("window") is not None})
+    names = [f"{m} ({DEFAULT_MODEL_WEIGHTS}: 4-bit-quantized weights)" if m == DEFAULT_MODEL_NAME else m
+             for m in models]
     parts = ["# fxbudget comparison", "",
-             f"- model: {', '.join(models)}; dtype {first['dtype']}, device {first['device']}, "
+             f"- model: {', '.join(names)}; dtype {first['dtype']}, device {first['device']}, "
              f"torch {first['torch']}, transformers {first['transformers']}, fxbudget {first['fxbudget']}, "
              f"{first['threads']} torch thread(s)",
              f"- {len(rows)} rows; cells are mean score (samples). Score = fraction of the expected answers found in "
