@@ -150,8 +150,9 @@ def _check(rule: Rule, what: str, x, like: Tensor, *, floating: bool) -> None:
     if not isinstance(x, Tensor):
         raise RuleContractError(f"rule {_rule_name(rule)!r}: {what} must be a tensor, got {type(x).__name__}")
     if x.shape != like.shape:
-        raise RuleContractError(f"rule {_rule_name(rule)!r}: {what} has shape {tuple(x.shape)}, expected exactly the "
-                                f"candidates' shape {tuple(like.shape)} [batch, kv_heads, candidates] (no broadcasting)")
+        raise RuleContractError(f"rule {_rule_name(rule)!r}: {what} has shape {tuple(x.shape)}, expected exactly "
+                                f"the candidates' shape {tuple(like.shape)} [batch, kv_heads, candidates] "
+                                "(no broadcasting)")
     if floating and not x.is_floating_point():
         raise RuleContractError(f"rule {_rule_name(rule)!r}: the score must be a floating tensor, got {x.dtype}")
     if not floating and x.dtype != torch.bool:
@@ -162,8 +163,8 @@ def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tenso
     """The only rule-specific ops: the final score of every candidate. `window` is already clamped to `n`.
 
     Protected candidates score +inf and empty slots -inf, so selection needs nothing else from the rule.
-    The rule must not write any tensor it is handed (refused, naming the op) and must return a floating score of exactly the
-    candidates' shape (refused otherwise). A NaN score (either sign) ranks lowest among real candidates, like -inf,
+    The rule must not write any tensor it is handed (refused, naming the op) and must return a floating score of
+    exactly the candidates' shape (refused otherwise). A NaN score (either sign) ranks lowest among real candidates, like -inf,
     and still above empty slots (ties go to the newer position; an empty slot is older than any token). Scores are
     cast to the signals' dtype (float32, float64 for float64 inputs) and ranked in float32 by `evict`: scores that
     differ only beyond float32's precision tie, and the newer candidate wins.
