@@ -20,10 +20,8 @@ import math
 
 import torch
 from torch import Tensor
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .rule_contract import NoMutation, RuleContractError, check_output  # noqa: F401 (RuleContractError: re-export)
 from .rules.base import Rule, Signals
 
 DEFAULT_WINDOW = 32  # observation window shared by all rules of a run (snapkv's paper default)
@@ -102,82 +100,25 @@ def signal_totals(totaled: tuple[Tensor, ...], acc: torch.dtype) -> Tensor:
     return torch.stack([x.to(acc).sum(dim=-1) for x in totaled], dim=-1)
 
 
-class RuleContractError(RuntimeError):
-    """A rule broke the kernel's contract: its score has the wrong shape or dtype, or it mutated a tensor."""
-
-
-def written_args(func, args: tuple, kwargs: dict) -> list:
-    """The arguments an aten op writes in place (its schema's `Tensor(a!)` arguments, `out=` included), flattened."""
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            v = args[i] if i < len(args) else kwargs.get(a.name)
-            out += [x for x in pytree.tree_leaves(v) if x is not None]
-    return out
-
-
-def storage_id(t: Tensor):
-    """An identity for `t`'s storage, shared by all its views (fake tensors included)."""
-    return StorageWeakRef(t.untyped_storage())
-
-
-class _NoMutation(TorchDispatchMode):
-    """Refuse any op that writes a tensor the rule was handed: `Signals` holds live tensors (`k_slots` is the cache,
-    `acc_attn` is what `evict` writes back), so a rule writing one would change the kernel for every rule. Writes to
-    the rule's own temporaries are allowed (library decompositions do it, e.g. cosine_similarity's `clamp_min_`).
-    The same mode sees the eager call and the pass's trace (`make_fx` runs `rule_region` too)."""
-
-    def __init__(self, rule: Rule, signals: tuple[Tensor, ...]):
-        super().__init__()
-        self.rule, self.inputs = rule, {storage_id(t) for t in signals}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func._schema.is_mutable and any(isinstance(t, Tensor) and storage_id(t) in self.inputs
-                                           for t in written_args(func, args, kwargs)):
-            raise RuleContractError(
-                f"rule {_rule_name(self.rule)!r} writes a signal tensor in place ({func}): a rule must be a pure "
-                "function of the signals (use out-of-place ops, e.g. x.clamp(...) instead of x.clamp_(...))")
-        return func(*args, **kwargs)
-
-
-def _rule_name(rule: Rule) -> str:
-    return getattr(rule, "name", "") or type(rule).__name__
-
-
-def _check(rule: Rule, what: str, x, like: Tensor, *, floating: bool) -> None:
-    """`x` must be a tensor of exactly the candidates' shape (no broadcasting) and of the expected dtype kind."""
-    if not isinstance(x, Tensor):
-        raise RuleContractError(f"rule {_rule_name(rule)!r}: {what} must be a tensor, got {type(x).__name__}")
-    if x.shape != like.shape:
-        raise RuleContractError(f"rule {_rule_name(rule)!r}: {what} has shape {tuple(x.shape)}, expected exactly "
-                                f"the candidates' shape {tuple(like.shape)} [batch, kv_heads, candidates] "
-                                "(no broadcasting)")
-    if floating and not x.is_floating_point():
-        raise RuleContractError(f"rule {_rule_name(rule)!r}: the score must be a floating tensor, got {x.dtype}")
-    if not floating and x.dtype != torch.bool:
-        raise RuleContractError(f"rule {_rule_name(rule)!r}: protect() must return a bool mask, got {x.dtype}")
-
-
 def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tensor:
     """The only rule-specific ops: the final score of every candidate. `window` is already clamped to `n`.
 
     Protected candidates score +inf and empty slots -inf, so selection needs nothing else from the rule.
     The rule must not write any tensor it is handed (refused, naming the op) and must return a floating score of
-    exactly the candidates' shape (refused otherwise). A NaN score (either sign) ranks lowest among real candidates, like -inf,
-    and still above empty slots (ties go to the newer position; an empty slot is older than any token). Scores are
+    exactly the candidates' shape (refused otherwise; `rule_contract`). A NaN score (either sign) ranks lowest among
+    real candidates, like -inf, and still above empty slots (ties go to the newer position; an empty slot is older than any token). Scores are
     cast to the signals' dtype (float32, float64 for float64 inputs) and ranked in float32 by `evict`: scores that
     differ only beyond float32's precision tie, and the newer candidate wins.
     """
     s = Signals(*signals, budget=budget, window=window)
-    with _NoMutation(rule, signals):
+    with NoMutation(rule, signals):
         score = rule.score(s)
         protect = rule.protect(s)
-    _check(rule, "the score", score, s.pos, floating=True)
+    check_output(rule, "the score", score, s.pos, floating=True)
     score = score.to(s.attn.dtype)
     score = score.masked_fill(score.isnan(), float("-inf"))
     if protect is not None:
-        _check(rule, "protect()", protect, s.pos, floating=False)
+        check_output(rule, "protect()", protect, s.pos, floating=False)
         score = score.masked_fill(protect, float("inf"))
     return score.masked_fill(s.pos < 0, float("-inf"))
 

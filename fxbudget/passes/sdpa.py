@@ -25,7 +25,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from ..cache import MARKER_TENSORS  # importing cache also registers the marker op
-from ..kernel import SIGNAL_NAMES, RuleContractError, evict, measure, rule_region, storage_id, written_args
+from ..kernel import SIGNAL_NAMES, evict, measure, rule_region
+from ..rule_contract import RuleContractError, rule_name, storage_id, written_args
 from ..rules.base import Rule
 from ..sdpa_args import bind, check
 
@@ -169,7 +170,7 @@ def _check_pure(gm: fx.GraphModule, rule: Rule) -> None:
         if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable and any(
                 isinstance(a, fx.Node) and storage_id(a.meta["val"]) in inputs
                 for a in written_args(node.target, node.args, node.kwargs)):
-            raise RuleContractError(f"rule {rule.name or type(rule).__name__!r} writes a signal tensor in place "
+            raise RuleContractError(f"rule {rule_name(rule)!r} writes a signal tensor in place "
                                     f"({node.target}): a rule must be a pure function of the signals")
 
 
