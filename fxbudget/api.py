@@ -19,8 +19,8 @@ from .backend import INNER_BACKENDS, NoBudgetAttentionError, kernel_window, make
 from .cache import BudgetCache, _layer_shapes
 from .eager import BudgetAttentionMode
 from .kernel import DEFAULT_BLOCK, check_block
+from .passes.sdpa import INTS_KEY, REGION_KEY
 from .positions import call_positions
-from .passes.sdpa import REGION_KEY
 from .rules import Rule, get
 
 log = logging.getLogger("fxbudget")
@@ -115,12 +115,17 @@ def _compiled_forward(forward, backend):
     budget and shape of every `fxbudget.compile` call onto one code object and hit the recompile limit; a fresh
     entry per call gives each its own cache, freed with it.
     """
-    cfg = torch._dynamo.config
-    cfg.fail_on_recompile_limit_hit = True  # never fall back to eager silently
     code = _entry.__code__.replace(co_name=f"fxbudget_forward_{next(_ENTRIES)}")
     entry = torch.compile(types.FunctionType(code, _entry.__globals__), backend=backend, fullgraph=True,
                           dynamic=False)
-    return lambda **kwargs: entry(forward, kwargs)
+
+    def run(**kwargs):
+        # Past the recompile limit: an error, never a silent eager fallback. Set for fxbudget's own calls only (the
+        # process-wide setting is restored after each call).
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return entry(forward, kwargs)
+
+    return run
 
 
 def _layer_budgets(rule: Rule, budget: int, config) -> list[int] | None:
@@ -291,14 +296,20 @@ def _maskless_attention(model):
         model.set_attn_implementation(impl)
 
 
-def _captured_graphs(model, input_ids, rule, budget, cache, rule_params) -> list[fx.GraphModule]:
+def _captured_graphs(model, input_ids, rule, budget, cache, rule_params, *, block: int = DEFAULT_BLOCK,
+                     decode: bool = False) -> list[fx.GraphModule]:
+    """The rewritten graphs of one forward on `input_ids` (and, with `decode`, of one more token after it)."""
+    check_block(block)
     graphs: list[fx.GraphModule] = []
     fwd = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
-    backend = make_backend(rule, inner="eager", on_graph=graphs.append, **rule_params)
+    backend = make_backend(rule, inner="eager", on_graph=graphs.append, block=block, **rule_params)
     if cache is None:
         cache = model_cache(model, backend.rule, budget, input_ids.shape[0])
+    run = _compiled_forward(fwd, backend)
     with torch.no_grad(), _maskless_attention(model):
-        _compiled_forward(fwd, backend)(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        run(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        if decode:
+            run(input_ids=input_ids[:, -1:], past_key_values=cache, use_cache=True)
     return graphs
 
 
@@ -320,11 +331,15 @@ def inspect(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
 
 
 def _node_key(node: fx.Node, names: dict[fx.Node, str]) -> str:
+    # Kernel nodes carry their ints from the pass, budget-derived ones as `BudgetInt`; every other int is literal.
+    forms = iter(node.meta[INTS_KEY]) if INTS_KEY in node.meta else None
+
     def ref(a):
         if isinstance(a, fx.Node):
             return names[a]
-        # Sizes are ints: abstracted, so per-layer budgets (pyramidkv) and input lengths hash alike.
-        return "int" if isinstance(a, int) and not isinstance(a, bool) else repr(a)
+        if forms is not None and isinstance(a, int) and not isinstance(a, bool):
+            return repr(next(forms))
+        return repr(a)
 
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__qualname__", str(node.target))
     if isinstance(node.target, torch._ops.OpOverload):
@@ -335,33 +350,59 @@ def _node_key(node: fx.Node, names: dict[fx.Node, str]) -> str:
 
 
 def graph_fingerprint(graphs: list[fx.GraphModule]) -> str:
-    """sha256 of the graphs' ops, their order, data flow and non-integer arguments, each run of rule-region ops
-    collapsed into one `<rule>` token. Integer arguments (sizes) are left out: the budget, the window and the input
-    length are recorded beside the fingerprint, not in it."""
+    """sha256 of the graphs' ops, their order, data flow and arguments, each run of rule-region ops collapsed into
+    one `<rule>` token.
+
+    Integer arguments are hashed, with one normalization: in the spliced kernel (`measure` and `evict`), an int that
+    grows with the layer's budget is hashed as `a*S+b` (S = the layer's slots). The pass finds them by tracing each
+    layer's kernel twice, at its slots and keep and at one more of each (`passes.sdpa.trace_kernel`): the ints that
+    change are budget-derived, and `a`, `b` come from the two values. So per-layer budgets (pyramidkv) and the run's
+    budget hash alike, while a kernel that keeps, slices, reduces or selects differently does not. Everything else is
+    literal: the call's length (the model's own ops outside the kernel carry it too: views, `arange`), the
+    observation window, the head sizes, dims. Fingerprints therefore compare rules at one input length and one
+    window (the runner records both). Two layers whose budgets sit on different sides of the call's length hash
+    differently: `evict` writes `min(n, S)` rows."""
     h = hashlib.sha256()
     for gm in graphs:
-        names: dict[fx.Node, str] = {}
-        in_rule, count = False, 0
-        for node in gm.graph.nodes:
-            if node.meta.get(REGION_KEY) == "rule":
-                names[node] = "<rule>"
-                if not in_rule:
-                    h.update(b"<rule>\n")
-                in_rule = True
-                continue
-            in_rule = False
-            names[node] = f"%{count}"
-            count += 1
-            h.update(_node_key(node, names).encode() + b"\n")
+        _hash_graph(h, gm)
     return h.hexdigest()
 
 
-def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "snapkv",
-                       budget: int = 1024, cache: BudgetCache | None = None, **rule_params) -> str:
-    """Hash of the rewritten graph with the rule's ops abstracted: equal for every rule means one shared kernel.
+def _hash_graph(h, gm: fx.GraphModule) -> None:
+    """Feed `gm`'s nodes to `h`; a higher-order op's body graph (measure's scan) is hashed where it is referenced."""
+    names: dict[fx.Node, str] = {}
+    in_rule, count = False, 0
+    for node in gm.graph.nodes:
+        if node.meta.get(REGION_KEY) == "rule":
+            names[node] = "<rule>"
+            if not in_rule:
+                h.update(b"<rule>\n")
+            in_rule = True
+            continue
+        in_rule = False
+        names[node] = f"%{count}"
+        count += 1
+        sub = getattr(gm, node.target) if node.op == "get_attr" else None
+        if isinstance(sub, fx.GraphModule):
+            h.update(b"<subgraph>\n")
+            _hash_graph(h, sub)
+            h.update(b"</subgraph>\n")
+            continue
+        h.update(_node_key(node, names).encode() + b"\n")
 
-    Sizes are not part of it (see `graph_fingerprint`), so rules with per-layer budgets compare too.
+
+def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "snapkv",
+                       budget: int = 1024, cache: BudgetCache | None = None, block: int | None = None,
+                       **rule_params) -> str:
+    """Hash of the rewritten graphs with the rule's ops abstracted: equal for every rule means one shared kernel.
+
+    Two graphs are hashed: one forward on `input_ids`, traced with a query block of half its length (`block=None`), so
+    the measure phase's loop over blocks is in it, and one decode step after it (a call of one query).
+    Budget-derived sizes are normalized (see `graph_fingerprint`), so rules with per-layer budgets compare too; the
+    input length, the block and the window are part of it.
     Args and model handling as for `inspect`. Returns a hex sha256 string.
     """
     _check_int("budget", budget)
-    return graph_fingerprint(_captured_graphs(model, input_ids, rule, budget, cache, rule_params))
+    block = max(2, (input_ids.shape[1] + 1) // 2) if block is None else block
+    return graph_fingerprint(_captured_graphs(model, input_ids, rule, budget, cache, rule_params, block=block,
+                                              decode=True))

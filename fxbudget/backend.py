@@ -19,8 +19,18 @@ class NoBudgetAttentionError(RuntimeError):
 
 
 def kernel_window(rule: Rule) -> int:
-    """The observation window of a run: the rule's own `window` if it has one, else the kernel default."""
-    return rule.window if getattr(rule, "window", None) else DEFAULT_WINDOW
+    """The observation window of a run: the rule's own `window` if it has one (an int >= 1), else the kernel default.
+
+    Raises:
+        ValueError: for a window that is not an int >= 1 (0 used to fall back to the default silently).
+    """
+    window = getattr(rule, "window", None)
+    if window is None:
+        return DEFAULT_WINDOW
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"rule {getattr(rule, 'name', '') or type(rule).__name__!r}: window must be an int >= 1, "
+                         f"got {window!r}")
+    return window
 
 
 def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",

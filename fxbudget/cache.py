@@ -238,8 +238,14 @@ class BudgetCache(Cache):
         return int(self.layers[0].seen)
 
     def kv_bytes(self) -> int:
-        """Bytes held by cached keys and values (all layers)."""
+        """Bytes allocated for cached keys and values (all layers, every slot: empty ones and head-room included)."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values))
+
+    def held_kv_bytes(self) -> int:
+        """Bytes of keys and values held: the slots that hold a token (all layers, rows and KV heads)."""
+        return sum(int((layer.pos >= 0).sum()) * (layer.keys.shape[-1] * layer.keys.element_size()
+                                                  + layer.values.shape[-1] * layer.values.element_size())
+                   for layer in self.layers)
 
     @contextlib.contextmanager
     def frozen(self):

@@ -8,7 +8,6 @@ instead, exactly as the compiled graph does after the pass. This is the test ora
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import torch
@@ -18,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from .cache import MARKER_TENSORS
 from .kernel import DEFAULT_BLOCK, budget_attention
 from .rules.base import Rule
+from .sdpa_args import bind, check
 
 _active = threading.local()
 
@@ -47,29 +47,21 @@ class BudgetAttentionMode(TorchFunctionMode):
         self.pending: dict[int, int] = {}  # marker calls not (yet) consumed by an SDPA call: id -> layer
 
     def __enter__(self):
-        self._prev = getattr(_active, "mode", None), os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
+        self._prev = getattr(_active, "mode", None)
         _active.mode = self
-        # transformers packs GQA query heads into the sequence dim for eager decode; keep the query as it is.
-        os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
         return super().__enter__()
 
     def __exit__(self, *exc):
-        prev_mode, prev_env = self._prev
-        _active.mode = prev_mode
-        if prev_env is None:
-            os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA", None)
-        else:
-            os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = prev_env
+        _active.mode = self._prev
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            key = args[1] if len(args) > 1 else kwargs["key"]
-            call = getattr(key, "_fxbudget", None)
+            bound = bind(args, kwargs)
+            call = getattr(bound["key"], "_fxbudget", None)
             if call is not None:
-                query = args[0] if args else kwargs["query"]
-                return run_kernel(query, call, kwargs.get("scale"), self)
+                return run_kernel(bound["query"], call, check(bound), self)
         out = func(*args, **kwargs)
         if func in _PASS_THROUGH and isinstance(out, torch.Tensor) and args:
             call = getattr(args[0], "_fxbudget", None)
@@ -96,10 +88,16 @@ def recording():
 def run_kernel(query, call, scale, cfg: BudgetAttentionMode):
     """`budget_attention` for one marker call, with the rule the layer uses (sliding layers keep their window)."""
     n = call.tensors[MARKER_TENSORS.index("k_new")].shape[2]
-    if query.dim() != 4 or query.shape[2] != n or query.shape[1] % call.tensors[0].shape[1]:
+    kv_heads = call.tensors[0].shape[1]
+    if n == 1 and query.dim() == 4 and query.shape[1] == kv_heads and query.shape[2] > 1:
+        # transformers' eager decode packs a GQA query [b, q_heads, 1, d] as [b, kv_heads, group, d] (`pack_gqa`,
+        # when it does not pass enable_gqa) and reshapes the output back by element order: unpack it here, instead of
+        # setting TRANSFORMERS_SDPA_FORCE_GQA process-wide.
+        query = query.reshape(query.shape[0], kv_heads * query.shape[2], 1, query.shape[3])
+    if query.dim() != 4 or query.shape[2] != n or query.shape[1] % kv_heads:
         raise RuntimeError(
             f"SDPA query of shape {tuple(query.shape)} does not match layer {call.layer}'s cache call "
-            f"(n={n}, kv_heads={call.tensors[0].shape[1]}); expected [batch, q_heads, n, head_dim]")
+            f"(n={n}, kv_heads={kv_heads}); expected [batch, q_heads, n, head_dim]")
     cfg.pending.pop(id(call), None)
     record = getattr(_active, "record", None)
     if record is not None:

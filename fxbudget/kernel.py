@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._higher_order_ops.scan import scan_op
 
+from .rule_contract import NoMutation, RuleContractError, check_output  # noqa: F401 (RuleContractError: re-export)
 from .rules.base import Rule, Signals
 
 DEFAULT_WINDOW = 32  # observation window shared by all rules of a run (snapkv's paper default)
@@ -82,9 +83,9 @@ def measure(
     if n <= R:
         out, sig_s, sig_n = blk(queries, qpos, weights, 0, n)
     elif traced:
-        out, sig_s, sig_n = _scan_blocks(blk, q, qpos, weights, R)
+        out, sig_s, sig_n = _scan_blocks(blk, queries, qpos, weights, R)
     else:
-        out, sig_s, sig_n = _loop_blocks(blk, q, qpos, weights, R)
+        out, sig_s, sig_n = _loop_blocks(blk, queries, qpos, weights, R)
     out = out.reshape(b, q.shape[1], n, -1)
     if live < S:
         sig_s = weights.new_zeros(b, h, 3, S)
@@ -155,13 +156,14 @@ class _Block:
         return out, wg @ es, wg @ en
 
 
-def _loop_blocks(blk: _Block, q: Tensor, qpos: Tensor, weights: Tensor, R: int):
-    """Eager: a Python loop over blocks of `R` queries, each seeing only the new tokens it can see."""
+def _loop_blocks(blk: _Block, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
+    """Eager: a Python loop over blocks of `R` queries, each seeing only the new tokens it can see. `queries` is the
+    signal tensor `[b, h, group * n, d]`: the blocks read it, so it is computed for every rule."""
     b, h, S = blk.slot_pos.shape
     n = qpos.shape[1]
-    g = q.shape[1] // h
-    q5 = q.reshape(b, h, g, n, q.shape[-1])
-    out = q.new_empty(b, h, g, n, blk.v_slots.shape[-1])
+    g = queries.shape[2] // n
+    q5 = queries.view(b, h, g, n, queries.shape[-1])
+    out = queries.new_empty(b, h, g, n, blk.v_slots.shape[-1])
     sig_s = weights.new_zeros(b, h, 3, S)
     sig_n = weights.new_zeros(b, h, 3, n)
     for r0 in range(0, n, R):
@@ -184,18 +186,18 @@ def _visible_range(r0, r1, n: int, sliding: int):
     return (max(r0 - sliding + 1, 0) if sliding else 0), min(r1, n)
 
 
-def _scan_blocks(blk: _Block, q: Tensor, qpos: Tensor, weights: Tensor, R: int):
+def _scan_blocks(blk: _Block, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
     """Traced: the same blocks as one `scan` over blocks (Inductor lowers it to a loop), so the graph holds one
     block's ops whatever `n`. Each block's visible range comes in as data (`item()`: unbacked sizes), so the
     compiled kernel skips the triangle too. The queries are padded to whole blocks with pads (position -1)."""
     b, h, S = blk.slot_pos.shape
     n = qpos.shape[1]
-    g = q.shape[1] // h
+    g = queries.shape[2] // n
     nb = -(-n // R)
     pad = nb * R - n
-    d = q.shape[-1]
-    q5 = F.pad(q.reshape(b, h, g, n, d), (0, 0, 0, pad))
-    starts = torch.arange(nb, device=q.device) * R
+    d = queries.shape[-1]
+    q5 = F.pad(queries.view(b, h, g, n, d), (0, 0, 0, pad))
+    starts = torch.arange(nb, device=queries.device) * R
     c0s, c1s = _visible_range(starts, starts + R, n, blk.sliding)
     # Block-major and contiguous: a scan traces its body on a contiguous slice, so every slice must be one.
     xs = [x.contiguous() for x in (
@@ -233,11 +235,21 @@ def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tenso
     """The only rule-specific ops: the final score of every candidate. `window` is already clamped to `n`.
 
     Protected candidates score +inf and empty slots -inf, so selection needs nothing else from the rule.
+    The rule must not write any tensor it is handed (refused, naming the op) and must return a floating score of
+    exactly the candidates' shape (refused otherwise; `rule_contract`). A NaN score (either sign) ranks lowest among
+    real candidates, like -inf, and still above empty slots (ties go to the newer position; an empty slot is older than any token). Scores are
+    cast to the signals' dtype (float32, float64 for float64 inputs) and ranked in float32 by `evict`: scores that
+    differ only beyond float32's precision tie, and the newer candidate wins.
     """
     s = Signals(*signals, budget=budget, window=window)
-    score = rule.score(s).to(s.attn.dtype)
-    protect = rule.protect(s)
+    with NoMutation(rule, signals):
+        score = rule.score(s)
+        protect = rule.protect(s)
+    check_output(rule, "the score", score, s.pos, floating=True)
+    score = score.to(s.attn.dtype)
+    score = score.masked_fill(score.isnan(), float("-inf"))
     if protect is not None:
+        check_output(rule, "protect()", protect, s.pos, floating=False)
         score = score.masked_fill(protect, float("inf"))
     return score.masked_fill(s.pos < 0, float("-inf"))
 

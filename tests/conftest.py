@@ -6,10 +6,16 @@ import copy
 
 import pytest
 import torch
+from hypothesis import settings
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, \
     Qwen2ForCausalLM
 
 torch.set_num_threads(1)  # on 2 cores, OpenMP spinning makes everything slower
+
+# Property tests draw the same examples on every run and machine (CI included): a fixed derivation per test, no
+# example database carried between runs.
+settings.register_profile("fxbudget", derandomize=True, database=None, deadline=None)
+settings.load_profile("fxbudget")
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, attn_implementation="sdpa")

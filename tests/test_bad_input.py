@@ -134,3 +134,24 @@ def test_expected_attention_needs_default_rope():
     with pytest.raises(ValueError, match="needs the model's RoPE frequencies"):
         fxbudget.compile(model, rule="expected_attention", budget=8)
     _untouched(model)
+
+
+def test_recompile_limit_error_is_scoped_to_fxbudget_calls():
+    # fxbudget wants an error past Dynamo's recompile limit (not a silent eager fallback), but only in its own calls.
+    import torch._dynamo.config as dynamo_config
+
+    seen = []
+
+    class Probe(fxbudget.rules.Rule):  # runs while the pass traces the kernel, inside the compiled call
+        name = "probe"
+
+        def score(self, s):
+            seen.append(dynamo_config.fail_on_recompile_limit_hit)
+            return s.attn
+
+    before = dynamo_config.fail_on_recompile_limit_hit
+    m = fxbudget.compile(tiny_model("llama", layers=1), rule=Probe(), budget=8, backend="eager")
+    with torch.no_grad():
+        m(input_ids=torch.randint(0, 96, (1, 5)))
+    assert seen and set(seen) == {True}
+    assert dynamo_config.fail_on_recompile_limit_hit == before

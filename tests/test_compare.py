@@ -14,7 +14,8 @@ from fxbudget.models import default_cache_dir, load_default
 GRID = ["--tasks", "passkey,niah_multikey", "--lengths", "300", "--rules", "full,snapkv,streamingllm,h2o",
         "--budgets", "32,4096", "--samples", "2", "--max-new-tokens", "4", "--quiet"]
 ROW_FIELDS = ("model", "rule", "rule_params", "budget", "protocol", "chunk_size", "window", "dtype", "device", "torch",
-              "transformers", "kernel_fingerprint", "peak_mem_bytes", "kv_bytes", "prefill_s", "decode_s",
+              "transformers", "kernel_fingerprint", "peak_mem_bytes", "shared_prefill_peak_mem_bytes",
+              "kv_allocated_bytes", "kv_held_bytes", "prefill_s", "decode_s",
               "compile_s", "output_tokens", "prediction", "score", "depth", "n_tokens", "answers", "malloc")
 
 
@@ -58,7 +59,10 @@ def test_rows_report_and_plots(single_run):
     assert len({r["kernel_fingerprint"] for r in budgeted}) == 1  # one shared kernel
     assert all(r["shared_prefill"] for r in budgeted)
     small = [r for r in budgeted if r["budget"] == 32]
-    assert all(r["kv_bytes"] < min(x["kv_bytes"] for x in rows.values() if x["rule"] == "full") for r in small)
+    full_held = min(x["kv_held_bytes"] for x in rows.values() if x["rule"] == "full")
+    assert all(r["kv_held_bytes"] < full_held for r in small)
+    assert all(r["kv_held_bytes"] <= r["kv_allocated_bytes"] for r in rows.values())
+    assert all(r["kv_held_bytes"] < r["kv_allocated_bytes"] / 4 for r in budgeted if r["budget"] == 4096)  # empty
     for name in ("report.md", "summary.csv", "accuracy_vs_budget.png", "heatmap_snapkv.png", "run.json"):
         assert (out / name).stat().st_size > 0, name
     report = (out / "report.md").read_text()
@@ -145,7 +149,7 @@ def test_real_model_smoke(tmp_path):
     assert rows["full"]["score"] == 1.0, rows["full"]["prediction"]
     assert rows["full"]["model"] == "Qwen2.5-Coder-0.5B-Instruct" and abs(rows["full"]["n_tokens"] - 600) <= 12
     assert rows["snapkv"]["kernel_fingerprint"] and rows["snapkv"]["shared_prefill"]
-    assert rows["snapkv"]["kv_bytes"] < rows["full"]["kv_bytes"] / 2
+    assert rows["snapkv"]["kv_held_bytes"] < rows["full"]["kv_held_bytes"] / 2
     assert "| full (unmodified model) |" in (tmp_path / "report.md").read_text()
 
 
@@ -168,3 +172,41 @@ def test_user_task_file(tiny_dir, tmp_path):
     rows = load_rows([tmp_path / "out"])
     assert len(rows) == 4 and {r["task"] for r in rows} == {"mytask"}
     assert {tuple(r["answers"]) for r in rows} == {("4242",), ("red", "blue")}
+
+
+def test_peak_memory_block_reads_cuda_only(monkeypatch):
+    from fxbudget.harness import runner
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(device))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 123)
+    cuda = torch.device("cuda", 0)
+    assert runner._Peak(cuda).read() == 123 and calls == [cuda]  # reset when the block starts
+    assert runner._Peak(torch.device("cpu")).read() is None and calls == [cuda]
+
+
+def test_peaks_recorded_per_row_and_for_the_shared_prefill(tiny_dir, tmp_path, monkeypatch):
+    # CUDA cannot run here: a stand-in numbers each measured block, as distinct peaks on CUDA would be.
+    from fxbudget.harness import runner
+    from fxbudget.models import load_model
+
+    blocks = []
+
+    class NumberedPeak:
+        def __init__(self, device):
+            blocks.append(self)
+            self.n = len(blocks)
+
+        def read(self):
+            return self.n
+
+    monkeypatch.setattr(runner, "_Peak", NumberedPeak)
+    model, tok, name = load_model(tiny_dir, progress=False)
+    grid = runner.Grid(tasks=["passkey"], lengths=[300], rules=["full", "h2o", "knorm"], budgets=[32], samples=1)
+    rows = {r["rule"]: r for r in runner.Runner(model, tok, name, grid, tmp_path, progress=False,
+                                                 max_new_tokens=2).run()}
+    assert rows["full"]["peak_mem_bytes"] is not None and rows["full"]["shared_prefill_peak_mem_bytes"] is None
+    shared = {rows[r]["shared_prefill_peak_mem_bytes"] for r in ("h2o", "knorm")}
+    assert len(shared) == 1 and None not in shared  # one shared forward, its own peak
+    peaks = [rows[r]["peak_mem_bytes"] for r in ("full", "h2o", "knorm")] + list(shared)
+    assert len(set(peaks)) == 4  # each row and the shared forward measured apart

@@ -89,3 +89,60 @@ def test_full_rule_refuses_to_evict():
         out = m(input_ids=torch.randint(0, 96, (1, 10)))
         with pytest.raises(ValueError, match="'full' keeps everything.*budget 16"):
             m(input_ids=torch.randint(0, 96, (1, 7)), past_key_values=out.past_key_values)
+
+
+def _attention_layer() -> torch.nn.Module:
+    """Attention only: the call's K/V through the BudgetCache, then SDPA (what the pass rewrites). A new class per
+    call: Dynamo caches compiled graphs per code object, and one per rule would pass its recompile limit."""
+
+    class AttentionLayer(torch.nn.Module):
+        def forward(self, q, k, v, past_key_values):
+            keys, values = past_key_values.update(k, v, 0)
+            return torch.nn.functional.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+    return AttentionLayer()
+
+
+def _full_layer(budget: int, seed: int = 0):
+    """A one-layer BudgetCache holding `budget` tokens in shuffled slots (so every call evicts), and a call of 3."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                          hidden_size=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cache = fxbudget.BudgetCache(cfg, budget)
+    g = torch.Generator().manual_seed(seed)
+    L = cache.layers[0]
+    L.keys.copy_(torch.randn(L.keys.shape, generator=g))
+    L.values.copy_(torch.randn(L.values.shape, generator=g))
+    L.pos.copy_(torch.stack([torch.randperm(budget, generator=g) for _ in range(2)]).unsqueeze(0))
+    L.state.copy_(torch.rand(L.state.shape, generator=g))
+    L.norms.copy_(torch.stack([L.keys.norm(dim=-1), L.values.norm(dim=-1)], dim=-1))
+    L.seen.fill_(budget)
+    call = (torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 3, 8, generator=g),
+            torch.randn(1, 2, 3, 8, generator=g))
+    return cache, call
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("rule", RULES)
+def test_inductor_layer_evicts_like_eager(rule):
+    # Every rule compiled by Inductor with eviction, at layer level (one small graph each): the same kept slots,
+    # state and output as the eager kernel.
+    from fxbudget.backend import kernel_window, make_backend
+    from fxbudget.eager import BudgetAttentionMode
+
+    params = {"snapkv": {"window": 2}, "pyramidkv": {"window": 2}}.get(rule, {})
+    eager_cache, call = _full_layer(8)
+    compiled_cache, _ = _full_layer(8)
+    r = fxbudget.rules.get(rule, **params)
+    with torch.no_grad():
+        with BudgetAttentionMode(r, kernel_window(r), fxbudget.rules.get("window")):
+            expected = _attention_layer()(*call, eager_cache)
+        layer = torch.compile(_attention_layer(), backend=make_backend(r), fullgraph=True, dynamic=False)
+        out = layer(*call, compiled_cache)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    a, b = eager_cache.layers[0], compiled_cache.layers[0]
+    assert torch.equal(a.pos, b.pos)
+    for name in ("keys", "values", "state", "norms", "totals"):
+        torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-5, atol=1e-5, msg=name)
+    assert int((b.pos >= 0).sum()) == 2 * 8  # each KV head kept 8 of its 11 candidates

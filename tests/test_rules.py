@@ -1,5 +1,6 @@
 """Rule library: protected sets at their boundary, seeded randomness, per-layer budgets, user-defined rules."""
 
+import math
 import re
 from pathlib import Path
 
@@ -114,3 +115,59 @@ def test_function_rule():
 
     assert isinstance(rules.get("newest_first_fn"), rules.Rule)
     assert _kept_after_one_call(rules.get("newest_first_fn"), 5) == [[15, 16, 17, 18, 19]] * 2
+
+
+class _Scored(rules.Rule):
+    """A test rule whose score is `fn(signals)` (not registered)."""
+
+    name = "scored"
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def score(self, s):
+        return self.fn(s)
+
+
+def _one_call(fn, slot_pos, n, *, dtype=torch.float32):
+    """Positions kept after one call of `n` tokens into slots holding `slot_pos` (-1 = empty), keep = len(slot_pos)."""
+    b, h, S, d = 1, 1, len(slot_pos), 4
+    z = torch.zeros(b, h, S, d, dtype=dtype)
+    pos = torch.tensor(slot_pos).view(b, h, S)
+    start = max(slot_pos) + 1
+    budget_attention(torch.randn(b, h, n, d, dtype=dtype), z, z.clone(), pos, torch.zeros(b, h, S),
+                     torch.zeros(b, h, S, 2), torch.zeros(b, h, len(TOTALED)), torch.randn(b, h, n, d, dtype=dtype),
+                     torch.randn(b, h, n, d, dtype=dtype), torch.arange(start, start + n), rule=_Scored(fn), budget=S)
+    return sorted(p for p in pos.flatten().tolist() if p >= 0)
+
+
+def _scores(values, dtype=torch.float32):
+    return lambda s: torch.tensor(values, dtype=dtype).view(1, 1, -1)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda s: s.attn[..., :1], r"shape \(1, 1, 1\), expected exactly the candidates' shape \(1, 1, 3\)"),
+    (lambda s: s.attn[0, 0], r"shape \(3,\), expected exactly"),
+    (lambda s: s.pos, "must be a floating tensor, got torch.int64"),
+    (lambda s: 1.0, "must be a tensor, got float"),
+])
+def test_score_must_have_the_candidates_shape_and_a_float_dtype(bad, match):
+    from fxbudget.kernel import RuleContractError
+
+    with pytest.raises(RuleContractError, match="rule 'scored': .*" + match):
+        _one_call(bad, [0, 1], 1)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_nan_score_ranks_lowest_among_tokens(sign):
+    nan = math.copysign(math.nan, sign)
+    assert torch.signbit(torch.tensor(nan)) == (sign < 0)
+    # Full cache: the NaN slot goes first, whatever its sign (+NaN used to outrank every score, +inf included).
+    assert _one_call(_scores([5.0, nan, 3.0]), [0, 1], 1) == [0, 2]
+    # Empty slots go before a NaN token (-NaN used to rank below the empty slots' -inf and lose the token).
+    assert _one_call(_scores([0.0, 0.0, 0.0, 0.0, nan, 1.0]), [-1, -1, -1, -1], 2) == [0, 1]
+
+
+def test_float64_scores_rank_in_float32():
+    # Documented (kernel.rule_region): scores are ranked in float32, so these two tie and the newer token wins.
+    assert _one_call(_scores([1.0 + 1e-12, 1.0], torch.float64), [0], 1, dtype=torch.float64) == [1]

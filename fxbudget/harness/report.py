@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from ..models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_WEIGHTS
 from .runner import REFERENCE
 from .tasks import NEEDLE_TASKS
 
@@ -44,9 +45,17 @@ def summarize(rows: list[dict]) -> list[dict]:
         out.append({**dict(zip(GROUP, key)), "samples": len(rs), "accuracy": mean(r["score"] for r in rs),
                     "prefill_s": mean(r["prefill_s"] for r in rs), "decode_s": mean(r["decode_s"] for r in rs),
                     "output_tokens": mean(r["output_tokens"] for r in rs),
-                    "kv_mib": mean(r["kv_bytes"] for r in rs) / 2**20,
+                    "kv_held_mib": _mean_mib(rs, "kv_held_bytes"),
+                    "kv_allocated_mib": _mean_mib(rs, "kv_allocated_bytes"),
                     "kernel_fingerprint": rs[0].get("kernel_fingerprint")})
     return out
+
+
+def _mean_mib(rows, key) -> float | None:
+    """Mean of `key` in MiB (None if a row lacks it: rows written before KV bytes were split into held/allocated had
+    one `kv_bytes`, the allocated bytes)."""
+    values = [r.get(key, r.get("kv_bytes") if key == "kv_allocated_bytes" else None) for r in rows]
+    return None if any(v is None for v in values) else mean(values) / 2**20
 
 
 def write_csv(summary: list[dict], path: Path) -> None:
@@ -89,8 +98,11 @@ def markdown(rows: list[dict], plots: list[str]) -> str:
     first = rows[0]
     models = sorted({r["model"] for r in rows})
     prints = {r["kernel_fingerprint"] for r in rows if r.get("kernel_fingerprint")}
+    windows = sorted({r["window"] for r in rows if r.get("window") is not None})
+    names = [f"{m} ({DEFAULT_MODEL_WEIGHTS}: 4-bit-quantized weights)" if m == DEFAULT_MODEL_NAME else m
+             for m in models]
     parts = ["# fxbudget comparison", "",
-             f"- model: {', '.join(models)}; dtype {first['dtype']}, device {first['device']}, "
+             f"- model: {', '.join(names)}; dtype {first['dtype']}, device {first['device']}, "
              f"torch {first['torch']}, transformers {first['transformers']}, fxbudget {first['fxbudget']}, "
              f"{first['threads']} torch thread(s)",
              f"- {len(rows)} rows; cells are mean score (samples). Score = fraction of the expected answers found in "
@@ -98,7 +110,11 @@ def markdown(rows: list[dict], plots: list[str]) -> str:
              "- kernel: " + (f"one shared kernel for every rule (fingerprint `{next(iter(prints))[:16]}`)"
                              if len(prints) == 1 else
                              f"**{len(prints)} different kernel fingerprints** — rules did not run the same kernel"
-                             if prints else "no budgeted rows")]
+                             if prints else "no budgeted rows"),
+             "- observation window (last queries of a call whose attention `window_attn` sums; one per comparison): "
+             + (f"{windows[0]}" if len(windows) == 1 else
+                f"**{len(windows)} different windows ({', '.join(map(str, windows))})**: rules did not see the same "
+                "signals" if windows else "none")]
     for protocol, prs in _by(rows, "protocol").items():
         for (chunk, backend), crs in _by(prs, "chunk_size", "backend").items():
             parts += ["", f"## protocol: {protocol}, prefill chunk: {chunk or 'one call'}, backend: {backend}", "",
@@ -113,7 +129,8 @@ def markdown(rows: list[dict], plots: list[str]) -> str:
 
 
 def _cost_table(rows) -> str:
-    lines = ["| rule | budget | prefill s | decode s | output tokens | KV MiB | compile s |", "|---" * 7 + "|"]
+    lines = ["| rule | budget | prefill s | decode s | output tokens | KV MiB held / allocated | compile s |",
+             "|---" * 7 + "|"]
     for rule in _rule_order(rows):
         for budget, rs in _by([r for r in rows if r["rule"] == rule], "budget").items():
             prefill = f"{mean(r['prefill_s'] for r in rs):.2f}"
@@ -122,8 +139,13 @@ def _cost_table(rows) -> str:
                           f"{mean(r['branch_s'] for r in rs):.2f}"
             lines.append(f"| {rule} | {budget if budget is not None else '-'} | {prefill} | "
                          f"{mean(r['decode_s'] for r in rs):.2f} | {mean(r['output_tokens'] for r in rs):.1f} | "
-                         f"{mean(r['kv_bytes'] for r in rs) / 2**20:.1f} | {sum(r['compile_s'] for r in rs):.1f} |")
+                         f"{_fmt(_mean_mib(rs, 'kv_held_bytes'))} / {_fmt(_mean_mib(rs, 'kv_allocated_bytes'))} | "
+                         f"{sum(r['compile_s'] for r in rs):.1f} |")
     return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[str]:

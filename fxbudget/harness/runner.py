@@ -65,9 +65,13 @@ class Grid:
         for t in self.tasks:
             if t not in TASKS:
                 raise ValueError(f"unknown task {t!r}; known tasks: {', '.join(TASKS)}")
-        for r in self.rules:
-            if r != REFERENCE:
-                get(r, **self.rule_params.get(r, {}))  # raises, listing the known rules
+        windows = {r: kernel_window(get(r, **self.rule_params.get(r, {})))  # get raises, listing the known rules
+                   for r in self.rules if r != REFERENCE}
+        if len(set(windows.values())) > 1:
+            # The window is a parameter of the shared kernel's measure phase: rules compare only at one window.
+            raise ValueError("the rules of one comparison must share one observation window (it is part of the "
+                             "shared kernel), got " + ", ".join(f"{r} {w}" for r, w in windows.items())
+                             + "; run each window as its own comparison (e.g. --param snapkv.window=32)")
         for name, values in (("lengths", self.lengths), ("budgets", self.budgets)):
             if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
                 raise ValueError(f"{name} must be positive ints, got {values!r}")
@@ -159,11 +163,26 @@ def _greedy(model: nn.Module, cache, logits: torch.Tensor, max_new: int, eos: se
     return out, cache
 
 
-def _kv_bytes(cache) -> int:
-    if hasattr(cache, "kv_bytes"):
-        return cache.kv_bytes()
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if t is not None)
+def _kv_bytes(cache) -> dict:
+    """KV bytes allocated (every slot, empty and head-room included) and held (slots holding a token)."""
+    if hasattr(cache, "held_kv_bytes"):
+        return {"kv_allocated_bytes": cache.kv_bytes(), "kv_held_bytes": cache.held_kv_bytes()}
+    full = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)  # transformers' own cache grows to exactly the tokens it holds
+    return {"kv_allocated_bytes": full, "kv_held_bytes": full}
+
+
+class _Peak:
+    """Peak allocator memory on CUDA from construction (which resets the peak) to `read()`; None on other devices."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def read(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -266,17 +285,19 @@ class Runner:
         bar.set_description(f"{sample.task[:24]} {unit.length or ''} #{unit.index}")
         aware = g.protocol == "query-aware"
         prefill_ids = torch.cat([ctx, question], dim=1) if aware else ctx
-        shared, shared_s = None, None
+        shared, shared_s, shared_peak = None, None, None
         if g.shares_prefill and any(rule != REFERENCE for rule, _ in todo):
+            peak = _Peak(prefill_ids.device)
             with _Clock() as c:
                 shared = shared_prefill(model, prefill_ids)
-            shared_s = c.run
+            shared_s, shared_peak = c.run, peak.read()
             self.run_s += c.run
         for rule_name, budget in todo:
             if rule_name == REFERENCE:
                 row = self._reference(ctx, question, max_new)
             else:
                 row = self._budgeted(rule_name, budget, prefill_ids, question, max_new, shared, shared_s)
+            row["shared_prefill_peak_mem_bytes"] = shared_peak if row["shared_prefill"] else None
             prediction = self.tok.decode(row.pop("output_ids"), skip_special_tokens=True).strip()
             row.update(base, prediction=prediction, score=score(sample, prediction),
                        key=row_key(self.model_name, g, unit, rule_name, budget))
@@ -288,6 +309,7 @@ class Runner:
 
     def _reference(self, ctx, question, max_new) -> dict:
         """The unmodified model, transformers' own cache: the full-cache reference row."""
+        peak = _Peak(ctx.device)
         with _Clock() as pre:
             out = self.model(input_ids=torch.cat([ctx, question], dim=1), use_cache=True, logits_to_keep=1)
         with _Clock() as dec:
@@ -296,7 +318,7 @@ class Runner:
         return {"rule": REFERENCE, "rule_params": {}, "budget": None, "window": None, "kernel_fingerprint": None,
                 "shared_prefill": False, "prefill_s": pre.run, "decode_s": dec.run,
                 "compile_s": pre.compile + dec.compile, "output_ids": ids, "output_tokens": len(ids),
-                "kv_bytes": _kv_bytes(cache), "peak_mem_bytes": None}
+                **_kv_bytes(cache), "peak_mem_bytes": peak.read()}
 
     def _budgeted(self, rule_name, budget, prefill_ids, question, max_new, shared, shared_s) -> dict:
         g, model = self.grid, self.model
@@ -306,9 +328,9 @@ class Runner:
         # Head-room rounded up, so samples with different question lengths share compiled shapes.
         headroom = math.ceil(frozen_tokens[g.protocol] / 64) * 64
         fx_compile(model, rule=rule, budget=budget, chunk_size=g.chunk_size, backend=g.backend, headroom=headroom)
-        cuda = prefill_ids.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
+        # With a shared prefill, the forward's own peak is recorded apart (`shared_prefill_peak_mem_bytes`); this one
+        # covers the branch and decode (the recorded prefill is still held).
+        peak = _Peak(prefill_ids.device)
         try:
             cache = model.forward.new_cache(prefill_ids.shape[0])
             with _Clock() as pre:
@@ -337,5 +359,4 @@ class Runner:
                 # With a shared prefill, prefill_s is what a separate run would take: the shared forward + the branch.
                 "prefill_s": pre.run + (shared_s or 0.0), "branch_s": pre.run if shared is not None else None,
                 "decode_s": dec.run, "compile_s": pre.compile + dec.compile, "output_ids": ids,
-                "output_tokens": len(ids), "kv_bytes": cache.kv_bytes(),
-                "peak_mem_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+                "output_tokens": len(ids), **_kv_bytes(cache), "peak_mem_bytes": peak.read()}
