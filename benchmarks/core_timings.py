@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _model_phase(measure_steps: bool) -> dict:
     """Runs in a child process: compile times (and decode-step timings if asked) on the embedded model."""
     import fxbudget
+    from fxbudget.cache_arg import cache_name, output_cache
     from fxbudget.harness.tasks import chat_ids, passkey
     from fxbudget.models import load_default
 
@@ -45,7 +46,7 @@ def _model_phase(measure_steps: bool) -> dict:
         t = time.perf_counter()
         out = m(input_ids=ids)  # two chunks of 256: one graph
         res["compile_prefill_s"] = time.perf_counter() - t
-        cache = out.past_key_values
+        cache = output_cache(out)
         t = time.perf_counter()
         out = m(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache)
         res["compile_decode_s"] = time.perf_counter() - t
@@ -56,14 +57,17 @@ def _model_phase(measure_steps: bool) -> dict:
         model.forward.restore()
         eager = fxbudget.compile(model, rule="snapkv", budget=256, chunk_size=256, backend=None).forward
         model.forward.restore()
-        e_cache = eager(input_ids=ids).past_key_values
-        hf_cache = model(input_ids=ids, use_cache=True).past_key_values
+        e_cache = output_cache(eager(input_ids=ids))
+        hf_cache = output_cache(model(input_ids=ids, use_cache=True))
         steps = {"compiled": [], "eager_kernel": [], "transformers": []}
+        # The cache keyword each callee declares (`cache` from transformers 5.24), looked up outside the timing.
+        names = {"compiled": cache_name(compiled), "eager_kernel": cache_name(eager),
+                 "transformers": cache_name(model.forward)}
         for _ in range(15):  # interleaved, so all three see the same machine state
             for name, fn, c in (("compiled", compiled, cache), ("eager_kernel", eager, e_cache),
                                 ("transformers", model, hf_cache)):
                 t = time.perf_counter()
-                fn(input_ids=tok_, past_key_values=c, use_cache=True)
+                fn(input_ids=tok_, use_cache=True, **{names[name]: c})
                 steps[name].append(time.perf_counter() - t)
         res.update({f"decode_{k}_ms": 1e3 * statistics.median(v[3:]) for k, v in steps.items()})
     return res

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import logging
@@ -17,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .backend import INNER_BACKENDS, NoBudgetAttentionError, kernel_window, make_backend
 from .cache import BudgetCache, _layer_shapes
+from .cache_arg import cache_kwargs, cache_name, pick_cache
 from .eager import BudgetAttentionMode
 from .passes.sdpa import REGION_KEY
 from .rules import Rule, get
@@ -70,7 +72,9 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
 
     Args:
         model: a Hugging Face causal LM using SDPA attention, or any module that calls
-            `scaled_dot_product_attention` on keys/values from a `BudgetCache` passed as `past_key_values`.
+            `scaled_dot_product_attention` on keys/values from a `BudgetCache` passed as `cache` or
+            `past_key_values` (transformers renamed the argument in 5.24; fxbudget accepts either and passes the
+            name the model declares).
         rule: a registered rule name (`fxbudget.rules.available()`) or a `Rule` instance.
         budget: KV entries kept per full-attention layer and KV head.
         chunk_size: split inputs longer than this into chunks, so prefill memory is bounded by budget + chunk_size.
@@ -189,7 +193,8 @@ class BudgetForward:
         if cache is None or (isinstance(cache, DynamicCache) and int(cache.get_seq_length()) == 0):
             return self.new_cache(batch)  # generate() hands an empty DynamicCache on its first call
         if not isinstance(cache, BudgetCache):
-            raise TypeError(f"past_key_values must be a fxbudget.BudgetCache, got {type(cache).__name__}")
+            raise TypeError(f"the cache (cache= or past_key_values=) must be a fxbudget.BudgetCache, "
+                            f"got {type(cache).__name__}")
         if cache is self._checked_cache and cache.batch_size == batch:
             return cache  # its model, dtype, device and budgets were checked on an earlier call and cannot change
         if cache.budget != self.budget:
@@ -212,8 +217,15 @@ class BudgetForward:
         self._checked_cache = cache
         return cache
 
-    def __call__(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                 inputs_embeds=None, use_cache=None, **kwargs):
+    @functools.cached_property
+    def _cache_name(self) -> str:
+        """The keyword the original forward takes its cache under (`cache` from transformers 5.24)."""
+        return cache_name(self.original)
+
+    def __call__(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                 use_cache=None, *, past_key_values=None, **kwargs):
+        # Either name of the cache argument (transformers 5.24 renamed past_key_values to cache); one code path.
+        cache = pick_cache(cache, past_key_values)
         x = input_ids if input_ids is not None else inputs_embeds
         if x is None:
             raise ValueError("pass input_ids or inputs_embeds")
@@ -223,7 +235,7 @@ class BudgetForward:
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             raise ValueError("padded batches are not supported yet: pass unpadded rows of equal length "
                              "(positions come from the cache, visibility from positions)")
-        cache = self._resolve_cache(past_key_values, batch)
+        cache = self._resolve_cache(cache, batch)
         if self.rule.never_evicts and not cache._frozen and not cache.fits(n):
             raise ValueError(f"rule {self.rule.name!r} keeps everything, but {n} more tokens overflow budget "
                              f"{self.budget} ({cache.tokens_seen} seen): use a budget of at least the sequence")
@@ -244,7 +256,7 @@ class BudgetForward:
             last = i == len(chunks) - 1
             part = {"input_ids": input_ids[:, sl]} if input_ids is not None else {"inputs_embeds": inputs_embeds[:, sl]}
             cache.admit(sl.stop - sl.start)
-            outputs = self._call_once(past_key_values=cache, use_cache=True, **part, **kwargs,
+            outputs = self._call_once(**{self._cache_name: cache}, use_cache=True, **part, **kwargs,
                                       logits_to_keep=(keep if last else 1) if tail_only else 0)
             if not tail_only:
                 logits.append(outputs.logits)
@@ -290,7 +302,7 @@ def _captured_graphs(model, input_ids, rule, budget, cache, rule_params) -> list
     if cache is None:
         cache = model_cache(model, backend.rule, budget, input_ids.shape[0])
     with torch.no_grad(), _maskless_attention(model):
-        _compiled_forward(fwd, backend)(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        _compiled_forward(fwd, backend)(input_ids=input_ids, use_cache=True, **cache_kwargs(fwd, cache))
     return graphs
 
 
@@ -299,7 +311,8 @@ def inspect(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
     """The rewritten graph's Python code for one forward of `model` on `input_ids` (model left unmodified).
 
     Args:
-        model: the unmodified model (an HF causal LM, or a module taking `input_ids=` and `past_key_values=`).
+        model: the unmodified model (an HF causal LM, or a module taking `input_ids=` and `cache=` or
+            `past_key_values=`).
         input_ids: a sample input; its length fixes the shapes of the traced graph.
         rule, budget, **rule_params: as for `fxbudget.compile`.
         cache: the BudgetCache to trace with (default: a fresh one for the model's config).

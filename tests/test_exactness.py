@@ -5,6 +5,7 @@ import torch
 
 import fxbudget
 from conftest import fresh, greedy, tiny_model
+from fxbudget.cache_arg import output_cache
 
 RULES = fxbudget.rules.available()
 STEPS = 20
@@ -73,3 +74,37 @@ def test_generate_prefills_and_decodes_through_the_budget_cache(backend):
     assert isinstance(cache, fxbudget.BudgetCache) and cache.tokens_seen == 27
     with pytest.raises(ValueError, match="padded batches"):
         m.generate(torch.randint(0, 96, (2, 5)), attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]), **gen)
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "phi3", "gemma3"])
+def test_generate_on_each_architecture(arch, backend):
+    """generate() on the installed transformers (5.24 renamed its cache argument): the unmodified model's tokens."""
+    model = tiny_model(arch)
+    ids = torch.randint(1, 96, (1, 12))
+    gen = dict(max_new_tokens=4, do_sample=False)
+    ref = model.generate(ids, **gen)
+    m = fxbudget.compile(fresh(model), rule="snapkv", budget=64, backend=backend)
+    out = m.generate(ids, **gen, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert isinstance(output_cache(out), fxbudget.BudgetCache) and output_cache(out).tokens_seen == 15
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_cache_under_either_name(backend):
+    """The cache is accepted as `cache=` (transformers >= 5.24) and as `past_key_values=`; never both at once."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 96, (1, 10))
+    with torch.no_grad():
+        ref, _ = greedy(model, ids, 2)
+        m = fxbudget.compile(fresh(model), rule="h2o", budget=64, backend=backend)
+        for name in ("cache", "past_key_values"):
+            cache = m.forward.new_cache()
+            out = m(input_ids=ids, **{name: cache})
+            assert output_cache(out) is cache and cache.tokens_seen == 10, name
+            out = m(input_ids=ref[0].argmax(-1, keepdim=True), **{name: cache})
+            assert cache.tokens_seen == 11 and (out.logits[:, -1] - ref[1]).abs().max() <= 1e-4, name
+        with pytest.raises(TypeError, match="both cache= and past_key_values="):
+            m(input_ids=ids, cache=m.forward.new_cache(), past_key_values=m.forward.new_cache())

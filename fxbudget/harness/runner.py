@@ -30,6 +30,7 @@ from torch import nn
 from ..api import compile as fx_compile
 from ..api import kernel_fingerprint
 from ..backend import INNER_BACKENDS, kernel_window
+from ..cache_arg import cache_kwargs, output_cache
 from ..rules import get
 from .branch import branch, shared_prefill
 from .malloc import malloc_setting
@@ -153,9 +154,9 @@ def _greedy(model: nn.Module, cache, logits: torch.Tensor, max_new: int, eos: se
         out.append(tok)
         if len(out) == max_new:
             break
-        step = model(input_ids=torch.tensor([[tok]], device=logits.device), past_key_values=cache, use_cache=True,
-                     logits_to_keep=1)
-        logits, cache = step.logits[:, -1], step.past_key_values
+        step = model(input_ids=torch.tensor([[tok]], device=logits.device), use_cache=True, logits_to_keep=1,
+                     **cache_kwargs(model.forward, cache))
+        logits, cache = step.logits[:, -1], output_cache(step)
     return out, cache
 
 
@@ -291,7 +292,7 @@ class Runner:
         with _Clock() as pre:
             out = self.model(input_ids=torch.cat([ctx, question], dim=1), use_cache=True, logits_to_keep=1)
         with _Clock() as dec:
-            ids, cache = _greedy(self.model, out.past_key_values, out.logits[:, -1], max_new, self.eos)
+            ids, cache = _greedy(self.model, output_cache(out), out.logits[:, -1], max_new, self.eos)
         self._timed(pre), self._timed(dec)
         return {"rule": REFERENCE, "rule_params": {}, "budget": None, "window": None, "kernel_fingerprint": None,
                 "shared_prefill": False, "prefill_s": pre.run, "decode_s": dec.run,
@@ -316,17 +317,17 @@ class Runner:
                     branch(shared, cache, rule)
                     logits = shared.logits
                 else:
-                    logits = model(input_ids=prefill_ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+                    logits = model(input_ids=prefill_ids, cache=cache, logits_to_keep=1).logits[:, -1]
             with _Clock() as dec:
                 if g.protocol == "query-agnostic":
                     with cache.frozen():
-                        logits = model(input_ids=question, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+                        logits = model(input_ids=question, cache=cache, logits_to_keep=1).logits[:, -1]
                         ids, _ = _greedy(model, cache, logits, max_new, self.eos)
                 elif g.protocol == "query-aware":
                     with cache.frozen():
                         ids, _ = _greedy(model, cache, logits, max_new, self.eos)
                 else:
-                    logits = model(input_ids=question, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+                    logits = model(input_ids=question, cache=cache, logits_to_keep=1).logits[:, -1]
                     ids, _ = _greedy(model, cache, logits, max_new, self.eos)
         finally:
             model.forward.restore()
