@@ -84,7 +84,9 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
         **rule_params: hyperparameters of a named rule, e.g. `window=64` for snapkv.
 
     Returns:
-        The same model, whose forward (and therefore `generate`) now uses the budget cache.
+        The same model, whose forward (and therefore `generate`) now uses the budget cache. If its first call finds
+        no SDPA attention fed by the cache, that call and every later one raise `NoBudgetAttentionError` (never a
+        silent run of the unmodified model); `model.forward.restore()` undoes the wrapping.
     """
     _validate(model, budget, backend, chunk_size)
     rule_obj = get(rule, **rule_params)
@@ -136,7 +138,13 @@ def model_cache(model: nn.Module, rule: Rule, budget: int, batch_size: int = 1, 
 
 
 class BudgetForward:
-    """The wrapped forward of a model compiled by fxbudget (installed as `model.forward`)."""
+    """The wrapped forward of a model compiled by fxbudget (installed as `model.forward`).
+
+    If the first call finds no attention it can budget, it raises `NoBudgetAttentionError` and so does every later
+    call: the model never runs unbudgeted under a budget's name. `restore()` gives back the unmodified model.
+    """
+
+    _failure: str | None = None  # set when the first call found nothing to budget
 
     def __init__(self, model: nn.Module, rule: Rule, budget: int, *, chunk_size: int | None,
                  backend: str | None, headroom: int):
@@ -224,6 +232,8 @@ class BudgetForward:
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                  use_cache=None, *, past_key_values=None, **kwargs):
+        if self._failure is not None:
+            raise NoBudgetAttentionError(self._failure)
         # Either name of the cache argument (transformers 5.24 renamed past_key_values to cache); one code path.
         cache = pick_cache(cache, past_key_values)
         x = input_ids if input_ids is not None else inputs_embeds
@@ -269,13 +279,16 @@ class BudgetForward:
             return self._run(**kwargs)
         try:
             out = self._run(**kwargs)
-        except Exception as e:  # the first call traces: a model fxbudget cannot rewrite is left as it was
+        except Exception as e:  # the first call traces: it finds out whether fxbudget can budget this model
             cause = e
             while cause is not None and not isinstance(cause, NoBudgetAttentionError):
                 cause = cause.__cause__ or cause.__context__
             if cause is not None:
-                self.restore()
-                raise NoBudgetAttentionError(str(cause)) from None
+                # Stay installed and failing: restoring here would let the next call run the unmodified model,
+                # unbudgeted, under this budget's name.
+                self._failure = (f"{cause}. fxbudget cannot budget this model: every call fails until "
+                                 "model.forward.restore() puts the unmodified model back")
+                raise NoBudgetAttentionError(self._failure) from None
             raise
         self._verified = True
         return out
