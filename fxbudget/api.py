@@ -68,7 +68,8 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
     """Run `model` with a KV cache of at most `budget` entries per layer and KV head, evicting with `rule`.
 
     The model is modified in place (its `forward` is wrapped) and returned; `model.forward.restore()` undoes it.
-    Every rule runs the same kernel; only its scoring ops differ.
+    Every rule runs the same kernel; only its scoring ops differ. Inference only: the wrapped forward always runs
+    without autograd (under `torch.no_grad()`), also when called in grad mode.
 
     Args:
         model: a Hugging Face causal LM using SDPA attention, or any module that calls
@@ -140,6 +141,8 @@ def model_cache(model: nn.Module, rule: Rule, budget: int, batch_size: int = 1, 
 class BudgetForward:
     """The wrapped forward of a model compiled by fxbudget (installed as `model.forward`).
 
+    Inference only: every call runs under `torch.no_grad()`, whatever the caller's grad mode (e.g. a perplexity
+    computed as `model(ids, labels=ids).loss` works, and its outputs do not require grad).
     If the first call finds no attention it can budget, it raises `NoBudgetAttentionError` and so does every later
     call: the model never runs unbudgeted under a budget's name. `restore()` gives back the unmodified model.
     """
@@ -275,6 +278,12 @@ class BudgetForward:
         return outputs
 
     def _call_once(self, **kwargs):
+        # Inference only: without autograd whatever the caller's grad mode (the in-place slot writes would break a
+        # backward pass, and a graph kept through the cache would grow with every call).
+        with torch.no_grad():
+            return self._call_checked(**kwargs)
+
+    def _call_checked(self, **kwargs):
         if self._verified:
             return self._run(**kwargs)
         try:

@@ -108,3 +108,23 @@ def test_cache_under_either_name(backend):
             assert cache.tokens_seen == 11 and (out.logits[:, -1] - ref[1]).abs().max() <= 1e-4, name
         with pytest.raises(TypeError, match="both cache= and past_key_values="):
             m(input_ids=ids, cache=m.forward.new_cache(), past_key_values=m.forward.new_cache())
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_grad_mode_runs_without_autograd(backend):
+    """`model(ids, labels=ids)` outside torch.no_grad() (perplexity): inference-only, the no-grad numbers."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 96, (1, 20))
+    with torch.no_grad():
+        ref = fxbudget.compile(fresh(model), rule="snapkv", budget=12, backend=None, window=4)(input_ids=ids,
+                                                                                             labels=ids)
+    m = fxbudget.compile(fresh(model), rule="snapkv", budget=12, backend=backend, window=4)
+    assert torch.is_grad_enabled()
+    out = m(input_ids=ids, labels=ids)  # evicts: 20 tokens into 12 slots
+    assert not out.logits.requires_grad and not out.loss.requires_grad
+    assert (out.loss - ref.loss).abs() <= 1e-5 and (out.logits - ref.logits).abs().max() <= 1e-4
+    cache = output_cache(out)
+    step = m(input_ids=ids[:, :1], cache=cache)  # decode outside no_grad too
+    assert not step.logits.requires_grad and cache.tokens_seen == 21
+    assert not any(t.requires_grad for layer in cache.layers for t in (layer.keys, layer.values, layer.state))
