@@ -123,19 +123,23 @@ def _compiled_forward(forward, backend):
     return lambda **kwargs: entry(forward, kwargs)
 
 
-def _layer_budgets(rule: Rule, budget: int, config) -> list[int] | None:
-    """The rule's per-layer budgets for this model's full-attention layers (None = uniform)."""
-    return rule.layer_budgets(budget, _layer_shapes(config)[4].count("full_attention"))
+def _layer_budgets(rule: Rule, budget: int, config, prompt: int | None = None) -> list[int] | None:
+    """The rule's per-layer budgets for this model's full-attention layers (None = uniform), for a prefill of
+    `prompt` tokens when known."""
+    return rule.layer_budgets(budget, _layer_shapes(config)[4].count("full_attention"), prompt=prompt)
 
 
 def model_cache(model: nn.Module, rule: Rule, budget: int, batch_size: int = 1, *,
-                headroom: int = 0) -> BudgetCache:
-    """A fresh `BudgetCache` for `model` (its config, dtype and device) and `rule`'s per-layer budgets."""
+                headroom: int = 0, prompt: int | None = None) -> BudgetCache:
+    """A fresh `BudgetCache` for `model` (its config, dtype and device) and `rule`'s per-layer budgets, sized for a
+    prefill of `prompt` tokens when given (schedules such as pyramidkv's adapt to it; None = the fixed schedule)."""
     if getattr(model, "config", None) is None:
         raise ValueError("this model has no .config: pass a fxbudget.BudgetCache(config, budget) explicitly")
     p = next(model.parameters())
-    return BudgetCache(model.config, budget, batch_size, dtype=p.dtype, device=p.device, headroom=headroom,
-                       layer_budgets=_layer_budgets(rule, budget, model.config))
+    cache = BudgetCache(model.config, budget, batch_size, dtype=p.dtype, device=p.device, headroom=headroom,
+                        layer_budgets=_layer_budgets(rule, budget, model.config, prompt))
+    cache.sized_for_prompt = prompt  # what BudgetForward checks its layer budgets against
+    return cache
 
 
 class BudgetForward:
@@ -195,14 +199,17 @@ class BudgetForward:
             self.model.set_attn_implementation(self._attn_implementation)
         return self.model
 
-    def new_cache(self, batch_size: int = 1, *, headroom: int | None = None) -> BudgetCache:
-        """A fresh `BudgetCache` for this model (its dtype and device)."""
+    def new_cache(self, batch_size: int = 1, *, headroom: int | None = None,
+                  prompt: int | None = None) -> BudgetCache:
+        """A fresh `BudgetCache` for this model (its dtype and device), its per-layer budgets sized for a prefill of
+        `prompt` tokens if given (pyramidkv adapts its schedule to the prompt; None = the rule's fixed schedule)."""
         return model_cache(self.model, self.rule, self.budget, batch_size,
-                           headroom=self.headroom if headroom is None else headroom)
+                           headroom=self.headroom if headroom is None else headroom, prompt=prompt)
 
-    def _resolve_cache(self, cache, batch: int) -> BudgetCache:
+    def _resolve_cache(self, cache, batch: int, n: int) -> BudgetCache:
         if cache is None or (isinstance(cache, DynamicCache) and int(cache.get_seq_length()) == 0):
-            return self.new_cache(batch)  # generate() hands an empty DynamicCache on its first call
+            # generate() hands an empty DynamicCache on its first call. This call's `n` tokens are the prompt.
+            return self.new_cache(batch, prompt=n)
         if not isinstance(cache, BudgetCache):
             raise TypeError(f"the cache (cache= or past_key_values=) must be a fxbudget.BudgetCache, "
                             f"got {type(cache).__name__}")
@@ -217,10 +224,12 @@ class BudgetForward:
             raise ValueError("cache was built for another model (layers/heads/head_dim differ)")
         if self.rule.needs_rope and not cache.has_rope:
             raise ValueError(f"rule {self.rule.name!r} needs RoPE frequencies this cache does not have")
-        expected = _layer_budgets(self.rule, self.budget, config) if config is not None else None
+        prompt = getattr(cache, "sized_for_prompt", None)  # None for an explicitly built cache: the fixed schedule
+        expected = _layer_budgets(self.rule, self.budget, config, prompt) if config is not None else None
         if expected is not None and cache.layer_budgets != expected:
             raise ValueError(f"rule {self.rule.name!r} needs per-layer budgets {expected}; this cache has "
-                             f"{cache.layer_budgets}: build it with fxbudget.BudgetCache(..., layer_budgets=...)")
+                             f"{cache.layer_budgets}: build it with model.forward.new_cache() (new_cache(prompt=n) "
+                             "for a schedule sized for an n-token prompt) or BudgetCache(..., layer_budgets=...)")
         p = next(self.model.parameters(), None)
         if p is not None and (cache.dtype != p.dtype or cache.device != p.device):
             raise ValueError(f"cache is {cache.dtype} on {cache.device}, model is {p.dtype} on {p.device}; "
@@ -248,7 +257,7 @@ class BudgetForward:
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             raise ValueError("padded batches are not supported yet: pass unpadded rows of equal length "
                              "(positions come from the cache, visibility from positions)")
-        cache = self._resolve_cache(cache, batch)
+        cache = self._resolve_cache(cache, batch, n)
         if self.rule.never_evicts and not cache._frozen and not cache.fits(n):
             raise ValueError(f"rule {self.rule.name!r} keeps everything, but {n} more tokens overflow budget "
                              f"{self.budget} ({cache.tokens_seen} seen): use a budget of at least the sequence")

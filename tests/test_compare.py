@@ -11,8 +11,8 @@ from fxbudget.cli import main
 from fxbudget.harness.report import load_rows
 from fxbudget.models import default_cache_dir, load_default
 
-GRID = ["--tasks", "passkey,niah_multikey", "--lengths", "300", "--rules", "full,snapkv,streamingllm,h2o",
-        "--budgets", "32,4096", "--samples", "2", "--max-new-tokens", "4", "--quiet"]
+GRID = ["--tasks", "passkey,niah_multikey", "--lengths", "300", "--rules", "full,snapkv,streamingllm,h2o,pyramidkv",
+        "--param", "pyramidkv.window=8", "--budgets", "32,4096", "--samples", "2", "--max-new-tokens", "4", "--quiet"]
 ROW_FIELDS = ("model", "rule", "rule_params", "budget", "protocol", "chunk_size", "window", "dtype", "device", "torch",
               "transformers", "kernel_fingerprint", "peak_mem_bytes", "kv_bytes", "prefill_s", "decode_s",
               "compile_s", "output_tokens", "prediction", "score", "depth", "n_tokens", "answers", "malloc")
@@ -48,7 +48,7 @@ def single_run(tiny_dir, tmp_path_factory):
 
 def test_rows_report_and_plots(single_run):
     out, rows = single_run
-    assert len(rows) == 2 * 2 * (1 + 3 * 2)  # tasks x samples x (reference + rules x budgets)
+    assert len(rows) == 2 * 2 * (1 + 4 * 2)  # tasks x samples x (reference + rules x budgets)
     for r in rows.values():
         missing = [f for f in ROW_FIELDS if f not in r]
         assert not missing, missing
@@ -64,7 +64,7 @@ def test_rows_report_and_plots(single_run):
     report = (out / "report.md").read_text()
     assert "| full (unmodified model) |" in report and "one shared kernel" in report
     summary = list(csv.DictReader((out / "summary.csv").open()))
-    assert {s["rule"] for s in summary} == {"full", "snapkv", "streamingllm", "h2o"}
+    assert {s["rule"] for s in summary} == {"full", "snapkv", "streamingllm", "h2o", "pyramidkv"}
 
 
 def test_budget_covering_context_equals_full(single_run):
@@ -72,7 +72,7 @@ def test_budget_covering_context_equals_full(single_run):
     _, rows = single_run
     full = {(r["task"], r["sample"]): r["prediction"] for r in rows.values() if r["rule"] == "full"}
     covering = [r for r in rows.values() if r["budget"] == 4096]
-    assert len(covering) == 12
+    assert len(covering) == 16
     for r in covering:
         assert r["prediction"] == full[(r["task"], r["sample"])], (r["rule"], r["task"], r["sample"])
 

@@ -11,24 +11,16 @@ RULES = fxbudget.rules.available()
 STEPS = 20
 
 
-def covering_budget(rule: str, model, seq: int) -> int:
-    """The smallest budget (from 64, in steps of 16) whose every per-layer budget covers `seq` tokens."""
-    n_full = model.config.layer_types.count("full_attention") if getattr(model.config, "layer_types", None) \
-        else model.config.num_hidden_layers
-    budget = 64
-    while min(fxbudget.rules.get(rule).layer_budgets(budget, n_full) or [budget]) < seq:
-        budget += 16
-    return budget
+COVERING = 64  # a budget covering the 24 + STEPS tokens of every run below, the same for every rule
 
 
 def _check_exact(arch: str, rule: str, backend, layers: int = 2, batch: int = 1, chunk_size=None):
     model = tiny_model(arch, layers=layers)
     torch.manual_seed(1)
     ids = torch.randint(0, 96, (batch, 24))
-    budget = covering_budget(rule, model, 24 + STEPS)
     with torch.no_grad():
         ref, _ = greedy(model, ids, STEPS)
-        compiled = fxbudget.compile(fresh(model), rule=rule, budget=budget, backend=backend, chunk_size=chunk_size)
+        compiled = fxbudget.compile(fresh(model), rule=rule, budget=COVERING, backend=backend, chunk_size=chunk_size)
         got, cache = greedy(compiled, ids, STEPS)
     assert (got - ref).abs().max().item() <= 1e-4
     seq = 24 + STEPS
@@ -44,9 +36,25 @@ def test_full_budget_reproduces_model_eager(arch, rule):
     _check_exact(arch, rule, backend=None)
 
 
+@pytest.mark.parametrize("rule", ["snapkv", "pyramidkv"])
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
-def test_full_budget_batched_and_chunked_eager(arch):
-    _check_exact(arch, "snapkv", backend=None, batch=2, chunk_size=7)
+def test_full_budget_batched_and_chunked_eager(arch, rule):
+    _check_exact(arch, rule, backend=None, batch=2, chunk_size=7)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_pyramidkv_covering_budget_on_two_layers(arch, backend):
+    """The issue's case: 2 layers, budget 128, 48 tokens. The prompt is shorter than the budget, so, as in the
+    reference code, no layer evicts; every layer holds the whole sequence and the logits are the model's."""
+    model = tiny_model(arch, layers=2)
+    ids = torch.randint(0, 96, (1, 40))
+    with torch.no_grad():
+        ref, _ = greedy(model, ids, 8)
+        got, cache = greedy(fxbudget.compile(fresh(model), rule="pyramidkv", budget=128, backend=backend), ids, 8)
+    assert (got - ref).abs().max().item() <= 1e-4
+    assert cache.layer_budgets == [128, 128] and all(int((cache.positions(i) >= 0).sum(-1).min()) == 48
+                                                      for i in range(2))
 
 
 @pytest.mark.parametrize("rule", RULES)

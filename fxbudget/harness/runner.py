@@ -311,7 +311,7 @@ class Runner:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         try:
-            cache = model.forward.new_cache(prefill_ids.shape[0])
+            cache = model.forward.new_cache(prefill_ids.shape[0], prompt=prefill_ids.shape[1])
             with _Clock() as pre:
                 if shared is not None:
                     branch(shared, cache, rule)
