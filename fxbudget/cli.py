@@ -86,7 +86,10 @@ def cmd_compare(args) -> int:
     model, tokenizer, name = load_model(args.model)
     runner = Runner(model, tokenizer, name, grid, args.out, shard=args.shard, progress=not args.quiet,
                     max_new_tokens=args.max_new_tokens)
-    plan = runner.plan()
+    try:
+        plan = runner.plan()
+    except ValueError as e:  # a results file with a line that is not a row (a cut last line is only a warning)
+        raise SystemExit(f"fxbudget compare: {e}") from None
     todo = sum(len(t) for _, t in plan)
     print(f"[fxbudget] {name}: {todo} rows to run on {len(plan)} samples "
           f"(protocol {grid.protocol}, prefill {'shared per sample' if grid.shares_prefill else 'per rule'}, "

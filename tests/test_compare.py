@@ -2,6 +2,11 @@
 
 import csv
 import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,6 +93,61 @@ def test_resume_skips_completed_rows(single_run, tiny_dir, tmp_path):
         assert again[key]["prediction"] == rows[key]["prediction"]
     compare(tiny_dir, tmp_path)
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(lines)  # nothing left to run
+
+
+# Runs `fxbudget compare` in a child process that SIGKILLs itself halfway through writing its third row.
+KILL_MID_WRITE = """
+import json, os, signal, sys
+from fxbudget.harness import results
+from fxbudget.cli import main
+
+written = []
+
+def append_row(f, row):
+    line = json.dumps(row, default=str) + "\\n"
+    if len(written) == 2:
+        f.write(line[: len(line) // 2])
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    written.append(row)
+    f.write(line)
+    f.flush()
+
+results.append_row = append_row
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _lines(path):
+    return path.read_text().splitlines() if path.is_file() else []
+
+
+def test_killed_runs_resume_with_every_row_once(single_run, tiny_dir, tmp_path):
+    """SIGKILL mid-write, then SIGKILL mid-run, then a rerun: every row exactly once, the single run's answers."""
+    _, rows = single_run
+    root = Path(__file__).resolve().parent.parent
+    args = ["compare", "--model", tiny_dir, *GRID, "--out", str(tmp_path / "out")]
+    path = tmp_path / "out" / "results.jsonl"
+    killed = subprocess.run([sys.executable, "-c", KILL_MID_WRITE, *args], cwd=root, capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    text = path.read_text()
+    assert len(text.splitlines()) == 3 and not text.endswith("\n")  # two rows and half of the third
+
+    with (tmp_path / "stderr.txt").open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "fxbudget.cli", *args], cwd=root, stderr=err)
+        try:
+            while len(_lines(path)) < 5 and proc.poll() is None:  # the repaired file + at least 3 new rows
+                time.sleep(0.05)
+            assert proc.poll() is None, "the run ended before it could be killed"
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.wait()
+    assert "line 3 is cut short" in (tmp_path / "stderr.txt").read_text()
+
+    again = compare(tiny_dir, tmp_path / "out")
+    keys = [json.loads(line)["key"] for line in _lines(path)]  # every line is a whole row
+    assert sorted(keys) == sorted(rows) and len(set(keys)) == len(keys)
+    assert {k: r["prediction"] for k, r in again.items()} == {k: r["prediction"] for k, r in rows.items()}
 
 
 def test_shards_merge_to_the_single_run(single_run, tiny_dir, tmp_path):

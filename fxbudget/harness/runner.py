@@ -32,6 +32,7 @@ from ..api import kernel_fingerprint
 from ..backend import INNER_BACKENDS, kernel_window
 from ..cache_arg import cache_kwargs, output_cache
 from ..rules import get
+from . import results
 from .branch import branch, shared_prefill
 from .malloc import malloc_setting
 from .tasks import TASKS, Sample, chat_ids, load_jsonl, make_samples, score
@@ -206,12 +207,8 @@ class Runner:
         self.compile_s = self.run_s = 0.0
 
     def done_keys(self) -> set[str]:
-        keys = set()
-        for path in self.out_dir.glob("results*.jsonl"):
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    keys.add(json.loads(line)["key"])
-        return keys
+        """Keys of the complete rows in `out_dir` (every shard's file): a row cut short by a kill is not done."""
+        return {row["key"] for path in self.out_dir.glob("results*.jsonl") for row in results.read_rows(path)}
 
     def plan(self) -> list[tuple[Unit, list[tuple[str, int | None]]]]:
         """This shard's samples and, for each, the configurations not yet in the results."""
@@ -229,6 +226,7 @@ class Runner:
 
         (self.out_dir / "run.json").write_text(json.dumps(
             {"model": self.model_name, "grid": asdict(self.grid), "shard": list(self.shard), **self.env}, indent=1))
+        results.repair(self.path)  # a run killed mid-write left a cut last line: never append a row onto it
         plan = self.plan()
         bar = tqdm(total=sum(len(todo) for _, todo in plan), unit="row", disable=not self.progress,
                    dynamic_ncols=True)
@@ -237,8 +235,7 @@ class Runner:
             with torch.no_grad(), self.path.open("a") as f:
                 for unit, todo in plan:
                     for row in self._run_unit(unit, todo, bar):
-                        f.write(json.dumps(row, default=str) + "\n")
-                        f.flush()
+                        results.append_row(f, row)
                         rows.append(row)
                         bar.update(1)
                         bar.set_postfix_str(f"compile {self.compile_s:.0f}s, run {self.run_s:.0f}s")
