@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .cache import MARKER_TENSORS
 from .kernel import budget_attention
+from .marker import MARKER_TENSORS
 from .rules.base import Rule
 
 _active = threading.local()

@@ -10,11 +10,11 @@ The schedule follows the prompt length `n` when it is known as the cache is size
 (KVCache-Factory's `PyramidKVCluster`) does: a prompt shorter than `max(B, 2(B - w))` gets the uniform budget `B`
 in every layer (so a prompt within the budget is kept whole, and a budget covering the sequence reproduces the
 unmodified model), and the lowest layer gets no more than the prompt, `n` (up to rounding), the highest layer taking
-what it gives up. The length is known for the cache `fxbudget.compile`'s forward creates on a call without one (that call's
-length) and for `compare` (the prefill); `model.forward.new_cache(prompt=n)` asks for it. Departure: a cache built
-without a length (`new_cache()` or an explicit `BudgetCache(..., layer_budgets=...)`) keeps the fixed schedule
-above whatever prompt it then sees, since slots are allocated before the prompt arrives; with a short prompt its
-lowest-budget layers may then evict where the reference code would not.
+what it gives up. The length is known for the cache the compiled forward creates on a call without one (that call's
+length) and in `compare` (the prefill); `model.forward.new_cache(prompt=n)` asks for it. Departure: a cache built
+without a length (`new_cache()`, or an explicit `BudgetCache(..., layer_budgets=...)`) keeps the fixed schedule
+above whatever prompt it then sees, since its slots are allocated before the prompt arrives; with a short prompt
+its lower-budget layers may then evict where the reference code would not.
 """
 
 from __future__ import annotations
