@@ -45,6 +45,7 @@ def model_rows(rule: str, budget: int, chunk: int, reps: int) -> dict:
     import torch
 
     import fxbudget
+    from fxbudget.cache_arg import output_cache
     from fxbudget.models import load_default
 
     model, _ = load_default(progress=False)
@@ -58,7 +59,7 @@ def model_rows(rule: str, budget: int, chunk: int, reps: int) -> dict:
         fxbudget.compile(model, rule=rule, budget=budget, chunk_size=chunk, backend="inductor")
         compiled = model.forward
         t = time.perf_counter()
-        c_cache = compiled(input_ids=prompt).past_key_values
+        c_cache = output_cache(compiled(input_ids=prompt))
         res["compile_prefill_s"] = time.perf_counter() - t
         t = time.perf_counter()
         compiled(input_ids=tok, past_key_values=c_cache)
@@ -66,7 +67,7 @@ def model_rows(rule: str, budget: int, chunk: int, reps: int) -> dict:
         model.forward.restore()
         fxbudget.compile(model, rule=rule, budget=budget, chunk_size=chunk, backend=None)
         eager = model.forward
-        e_cache = eager(input_ids=prompt).past_key_values
+        e_cache = output_cache(eager(input_ids=prompt))
         for phase, ids, r in (("decode", tok, reps), (f"prefill {chunk}", chunk_ids, max(3, reps // 4))):
             t = interleaved({"eager": lambda: eager(input_ids=ids, past_key_values=e_cache),
                              "compiled": lambda: compiled(input_ids=ids, past_key_values=c_cache)}, r, warmup=1)

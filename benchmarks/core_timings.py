@@ -32,6 +32,7 @@ def _child(budget: int, chunk: int, prompt: int, steps: int) -> dict:
     import torch
 
     import fxbudget
+    from fxbudget.cache_arg import output_cache
     from fxbudget.harness.tasks import chat_ids, passkey
     from fxbudget.models import load_default
 
@@ -43,7 +44,7 @@ def _child(budget: int, chunk: int, prompt: int, steps: int) -> dict:
         t = time.perf_counter()
         out = compiled(input_ids=ids)
         res["compile_prefill_s"] = time.perf_counter() - t
-        c_cache, tok_ = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        c_cache, tok_ = output_cache(out), out.logits[:, -1:].argmax(-1)
         t = time.perf_counter()
         compiled(input_ids=tok_, past_key_values=c_cache)
         res["compile_decode_s"] = time.perf_counter() - t
@@ -54,8 +55,8 @@ def _child(budget: int, chunk: int, prompt: int, steps: int) -> dict:
         # never three: ~2 GB each.
         other, _ = load_default(progress=False)
         eager = fxbudget.compile(other, rule="snapkv", budget=budget, chunk_size=chunk, backend=None).forward
-        e_cache = eager(input_ids=ids).past_key_values
-        hf_cache = eager.original(input_ids=ids, use_cache=True).past_key_values
+        e_cache = output_cache(eager(input_ids=ids))
+        hf_cache = output_cache(eager.original(input_ids=ids, use_cache=True))
         t = interleaved({"compiled": lambda: compiled(input_ids=tok_, past_key_values=c_cache),
                          "eager_kernel": lambda: eager(input_ids=tok_, past_key_values=e_cache),
                          "transformers": lambda: eager.original(input_ids=tok_, past_key_values=hf_cache,

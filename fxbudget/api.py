@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import logging
@@ -17,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .backend import INNER_BACKENDS, NoBudgetAttentionError, kernel_window, make_backend
 from .cache import BudgetCache, _layer_shapes
+from .cache_arg import cache_kwargs, cache_name, pick_cache
 from .eager import BudgetAttentionMode
 from .kernel import DEFAULT_BLOCK, check_block
 from .passes.sdpa import INTS_KEY, REGION_KEY
@@ -69,11 +71,14 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
     """Run `model` with a KV cache of at most `budget` entries per layer and KV head, evicting with `rule`.
 
     The model is modified in place (its `forward` is wrapped) and returned; `model.forward.restore()` undoes it.
-    Every rule runs the same kernel; only its scoring ops differ.
+    Every rule runs the same kernel; only its scoring ops differ. Inference only: the wrapped forward always runs
+    without autograd (under `torch.no_grad()`), also when called in grad mode.
 
     Args:
         model: a Hugging Face causal LM using SDPA attention, or any module that calls
-            `scaled_dot_product_attention` on keys/values from a `BudgetCache` passed as `past_key_values`.
+            `scaled_dot_product_attention` on keys/values from a `BudgetCache` passed as `cache` or
+            `past_key_values` (transformers renamed the argument in 5.24; fxbudget accepts either and passes the
+            name the model declares).
         rule: a registered rule name (`fxbudget.rules.available()`) or a `Rule` instance.
         budget: KV entries kept per full-attention layer and KV head.
         chunk_size: split inputs longer than this into chunks, so prefill memory is bounded by budget + chunk_size.
@@ -86,7 +91,9 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
         **rule_params: hyperparameters of a named rule, e.g. `window=64` for snapkv.
 
     Returns:
-        The same model, whose forward (and therefore `generate`) now uses the budget cache.
+        The same model, whose forward (and therefore `generate`) now uses the budget cache. If its first call finds
+        no SDPA attention fed by the cache, that call and every later one raise `NoBudgetAttentionError` (never a
+        silent run of the unmodified model); `model.forward.restore()` undoes the wrapping.
     """
     _validate(model, budget, backend, chunk_size)
     rule_obj = get(rule, **rule_params)
@@ -128,23 +135,35 @@ def _compiled_forward(forward, backend):
     return run
 
 
-def _layer_budgets(rule: Rule, budget: int, config) -> list[int] | None:
-    """The rule's per-layer budgets for this model's full-attention layers (None = uniform)."""
-    return rule.layer_budgets(budget, _layer_shapes(config)[4].count("full_attention"))
+def _layer_budgets(rule: Rule, budget: int, config, prompt: int | None = None) -> list[int] | None:
+    """The rule's per-layer budgets for this model's full-attention layers (None = uniform), for a prefill of
+    `prompt` tokens when known."""
+    return rule.layer_budgets(budget, _layer_shapes(config)[4].count("full_attention"), prompt=prompt)
 
 
 def model_cache(model: nn.Module, rule: Rule, budget: int, batch_size: int = 1, *,
-                headroom: int = 0) -> BudgetCache:
-    """A fresh `BudgetCache` for `model` (its config, dtype and device) and `rule`'s per-layer budgets."""
+                headroom: int = 0, prompt: int | None = None) -> BudgetCache:
+    """A fresh `BudgetCache` for `model` (its config, dtype and device) and `rule`'s per-layer budgets, sized for a
+    prefill of `prompt` tokens when given (schedules such as pyramidkv's adapt to it; None = the fixed schedule)."""
     if getattr(model, "config", None) is None:
         raise ValueError("this model has no .config: pass a fxbudget.BudgetCache(config, budget) explicitly")
     p = next(model.parameters())
-    return BudgetCache(model.config, budget, batch_size, dtype=p.dtype, device=p.device, headroom=headroom,
-                       layer_budgets=_layer_budgets(rule, budget, model.config))
+    cache = BudgetCache(model.config, budget, batch_size, dtype=p.dtype, device=p.device, headroom=headroom,
+                        layer_budgets=_layer_budgets(rule, budget, model.config, prompt))
+    cache.sized_for_prompt = prompt  # what BudgetForward checks its layer budgets against
+    return cache
 
 
 class BudgetForward:
-    """The wrapped forward of a model compiled by fxbudget (installed as `model.forward`)."""
+    """The wrapped forward of a model compiled by fxbudget (installed as `model.forward`).
+
+    Inference only: every call runs under `torch.no_grad()`, whatever the caller's grad mode (e.g. a perplexity
+    computed as `model(ids, labels=ids).loss` works, and its outputs do not require grad).
+    If the first call finds no attention it can budget, it raises `NoBudgetAttentionError` and so does every later
+    call: the model never runs unbudgeted under a budget's name. `restore()` gives back the unmodified model.
+    """
+
+    _failure: str | None = None  # set when the first call found nothing to budget
 
     def __init__(self, model: nn.Module, rule: Rule, budget: int, *, chunk_size: int | None,
                  backend: str | None, headroom: int, block: int = DEFAULT_BLOCK):
@@ -192,16 +211,20 @@ class BudgetForward:
             self.model.set_attn_implementation(self._attn_implementation)
         return self.model
 
-    def new_cache(self, batch_size: int = 1, *, headroom: int | None = None) -> BudgetCache:
-        """A fresh `BudgetCache` for this model (its dtype and device)."""
+    def new_cache(self, batch_size: int = 1, *, headroom: int | None = None,
+                  prompt: int | None = None) -> BudgetCache:
+        """A fresh `BudgetCache` for this model (its dtype and device), its per-layer budgets sized for a prefill of
+        `prompt` tokens if given (pyramidkv adapts its schedule to the prompt; None = the rule's fixed schedule)."""
         return model_cache(self.model, self.rule, self.budget, batch_size,
-                           headroom=self.headroom if headroom is None else headroom)
+                           headroom=self.headroom if headroom is None else headroom, prompt=prompt)
 
-    def _resolve_cache(self, cache, batch: int) -> BudgetCache:
+    def _resolve_cache(self, cache, batch: int, n: int) -> BudgetCache:
         if cache is None or (isinstance(cache, DynamicCache) and int(cache.get_seq_length()) == 0):
-            return self.new_cache(batch)  # generate() hands an empty DynamicCache on its first call
+            # generate() hands an empty DynamicCache on its first call. This call's `n` tokens are the prompt.
+            return self.new_cache(batch, prompt=n)
         if not isinstance(cache, BudgetCache):
-            raise TypeError(f"past_key_values must be a fxbudget.BudgetCache, got {type(cache).__name__}")
+            raise TypeError(f"the cache (cache= or past_key_values=) must be a fxbudget.BudgetCache, "
+                            f"got {type(cache).__name__}")
         if cache is self._checked_cache and cache.batch_size == batch:
             return cache  # its model, dtype, device and budgets were checked on an earlier call and cannot change
         if cache.budget != self.budget:
@@ -213,10 +236,12 @@ class BudgetForward:
             raise ValueError("cache was built for another model (layers/heads/head_dim differ)")
         if self.rule.needs_rope and not cache.has_rope:
             raise ValueError(f"rule {self.rule.name!r} needs RoPE frequencies this cache does not have")
-        expected = _layer_budgets(self.rule, self.budget, config) if config is not None else None
+        prompt = getattr(cache, "sized_for_prompt", None)  # None for an explicitly built cache: the fixed schedule
+        expected = _layer_budgets(self.rule, self.budget, config, prompt) if config is not None else None
         if expected is not None and cache.layer_budgets != expected:
             raise ValueError(f"rule {self.rule.name!r} needs per-layer budgets {expected}; this cache has "
-                             f"{cache.layer_budgets}: build it with fxbudget.BudgetCache(..., layer_budgets=...)")
+                             f"{cache.layer_budgets}: build it with model.forward.new_cache() (new_cache(prompt=n) "
+                             "for a schedule sized for an n-token prompt) or BudgetCache(..., layer_budgets=...)")
         p = next(self.model.parameters(), None)
         if p is not None and (cache.dtype != p.dtype or cache.device != p.device):
             raise ValueError(f"cache is {cache.dtype} on {cache.device}, model is {p.dtype} on {p.device}; "
@@ -224,15 +249,24 @@ class BudgetForward:
         self._checked_cache = cache
         return cache
 
-    def __call__(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                 inputs_embeds=None, use_cache=None, **kwargs):
+    @functools.cached_property
+    def _cache_name(self) -> str:
+        """The keyword the original forward takes its cache under (`cache` from transformers 5.24)."""
+        return cache_name(self.original)
+
+    def __call__(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                 use_cache=None, *, past_key_values=None, **kwargs):
+        if self._failure is not None:
+            raise NoBudgetAttentionError(self._failure)
+        # Either name of the cache argument (transformers 5.24 renamed past_key_values to cache); one code path.
+        cache = pick_cache(cache, past_key_values)
         x = input_ids if input_ids is not None else inputs_embeds
         if x is None:
             raise ValueError("pass input_ids or inputs_embeds")
         if use_cache is False:
             raise ValueError("a budget-compiled model always uses its cache; do not pass use_cache=False")
         batch, n = x.shape[0], x.shape[1]
-        cache = self._resolve_cache(past_key_values, batch)
+        cache = self._resolve_cache(cache, batch, n)
         # Each row's positions (-1 = a left pad): the kernel's visibility and the model's RoPE both use them.
         pos = call_positions(cache, n, attention_mask, position_ids, x.device)
         real = (pos >= 0).sum(-1)
@@ -254,8 +288,9 @@ class BudgetForward:
             cache.admit(int((chunk_pos >= 0).sum(-1).max()))
             cache.call.pos, cache.call.advance = chunk_pos, torch.tensor(sl.stop - sl.start, device=x.device)
             try:
-                outputs = self._call_once(past_key_values=cache, use_cache=True, position_ids=chunk_pos.clamp(min=0),
-                                          **part, **kwargs, logits_to_keep=(keep if last else 1) if tail_only else 0)
+                outputs = self._call_once(**{self._cache_name: cache}, use_cache=True,
+                                          position_ids=chunk_pos.clamp(min=0), **part, **kwargs,
+                                          logits_to_keep=(keep if last else 1) if tail_only else 0)
             finally:
                 cache.call.pos = cache.call.advance = None
             cache.next_pos += (chunk_pos >= 0).sum(-1).to(cache.next_pos.device)
@@ -266,17 +301,26 @@ class BudgetForward:
         return outputs
 
     def _call_once(self, **kwargs):
+        # Inference only: without autograd whatever the caller's grad mode (the in-place slot writes would break a
+        # backward pass, and a graph kept through the cache would grow with every call).
+        with torch.no_grad():
+            return self._call_checked(**kwargs)
+
+    def _call_checked(self, **kwargs):
         if self._verified:
             return self._run(**kwargs)
         try:
             out = self._run(**kwargs)
-        except Exception as e:  # the first call traces: a model fxbudget cannot rewrite is left as it was
+        except Exception as e:  # the first call traces: it finds out whether fxbudget can budget this model
             cause = e
             while cause is not None and not isinstance(cause, NoBudgetAttentionError):
                 cause = cause.__cause__ or cause.__context__
             if cause is not None:
-                self.restore()
-                raise NoBudgetAttentionError(str(cause)) from None
+                # Stay installed and failing: restoring here would let the next call run the unmodified model,
+                # unbudgeted, under this budget's name.
+                self._failure = (f"{cause}. fxbudget cannot budget this model: every call fails until "
+                                 "model.forward.restore() puts the unmodified model back")
+                raise NoBudgetAttentionError(self._failure) from None
             raise
         self._verified = True
         return out
@@ -307,9 +351,9 @@ def _captured_graphs(model, input_ids, rule, budget, cache, rule_params, *, bloc
         cache = model_cache(model, backend.rule, budget, input_ids.shape[0])
     run = _compiled_forward(fwd, backend)
     with torch.no_grad(), _maskless_attention(model):
-        run(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        run(input_ids=input_ids, use_cache=True, **cache_kwargs(fwd, cache))
         if decode:
-            run(input_ids=input_ids[:, -1:], past_key_values=cache, use_cache=True)
+            run(input_ids=input_ids[:, -1:], use_cache=True, **cache_kwargs(fwd, cache))
     return graphs
 
 
@@ -318,7 +362,8 @@ def inspect(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
     """The rewritten graph's Python code for one forward of `model` on `input_ids` (model left unmodified).
 
     Args:
-        model: the unmodified model (an HF causal LM, or a module taking `input_ids=` and `past_key_values=`).
+        model: the unmodified model (an HF causal LM, or a module taking `input_ids=` and `cache=` or
+            `past_key_values=`).
         input_ids: a sample input; its length fixes the shapes of the traced graph.
         rule, budget, **rule_params: as for `fxbudget.compile`.
         cache: the BudgetCache to trace with (default: a fresh one for the model's config).

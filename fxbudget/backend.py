@@ -12,6 +12,7 @@ from .passes.sdpa import rewrite
 from .rules import Rule, get
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+REWRITE_KEY = "fxbudget_rewrite"  # gm.meta key of the pass's RewriteReport (layers rewritten, SDPA left alone)
 
 
 class NoBudgetAttentionError(RuntimeError):
@@ -58,6 +59,7 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
 
     def fxbudget_backend(gm: fx.GraphModule, example_inputs, **kwargs):
         report = rewrite(gm, rule, window, sliding_rule, block)
+        gm.meta[REWRITE_KEY] = report  # what `fxbudget inspect` summarizes
         if not report.rewritten:
             raise NoBudgetAttentionError(
                 "fxbudget found no scaled_dot_product_attention fed by a BudgetCache in the traced graph "

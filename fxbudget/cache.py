@@ -1,9 +1,9 @@
-"""`BudgetCache`: fixed-size KV slots per layer, and the marker that links each attention call to its slots.
+"""`BudgetCache`: fixed-size KV slots per layer.
 
 Every tensor is allocated up front and only written in place, so a compiled graph sees the cache as graph inputs and
-never changes shape. `update()` does not attend or evict: it emits the marker op `fxbudget::candidates`, whose
-arguments are everything the kernel needs; the SDPA pass (compiled path) or the eager interceptor (eager path)
-replaces the SDPA call fed by it with `budget_attention`.
+never changes shape. `update()` does not attend or evict: it emits the marker op `fxbudget::candidates`
+(`fxbudget.marker`), whose arguments are everything the kernel needs; the SDPA pass (compiled path) or the eager
+interceptor (eager path) replaces the SDPA call fed by it with `budget_attention`.
 """
 
 from __future__ import annotations
@@ -15,28 +15,9 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .eager import require_interceptor
 from .kernel import TOTALED
-
-
-@torch.library.custom_op("fxbudget::candidates", mutates_args=())
-def candidates(
-    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, layer: int, budget: int, keep: int, sliding: int,
-) -> tuple[Tensor, Tensor]:
-    """Marker: the candidate keys/values (slots then new tokens), as a plain cache would hand them to SDPA."""
-    return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
-
-
-@candidates.register_fake
-def _(k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq, layer, budget, keep,
-      sliding):
-    return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
-
-
-# Positional argument names of the marker, shared by the pass and the eager interceptor.
-MARKER_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms", "totals", "k_new", "v_new", "new_pos",
-                  "inv_freq")
-MARKER_STATICS = ("layer", "budget", "keep", "sliding")
+from .marker import MARKER_STATICS, MARKER_TENSORS, MarkerCall, candidates  # noqa: F401  (importers use cache's)
 
 
 @dataclass
@@ -48,17 +29,6 @@ class CallPositions:
 
     pos: Tensor | None = None
     advance: Tensor | None = None
-
-
-@dataclass
-class MarkerCall:
-    """The marker's arguments, attached to its eager outputs so the eager interceptor can find them."""
-
-    tensors: tuple[Tensor, ...]
-    layer: int
-    budget: int
-    keep: int
-    sliding: int
 
 
 class BudgetLayer(CacheLayerMixin):
@@ -107,9 +77,7 @@ class BudgetLayer(CacheLayerMixin):
                    new_pos, self.inv_freq)
         k, v = torch.ops.fxbudget.candidates(*tensors, self.layer, self.budget, self.keep, self.sliding)
         if not torch.compiler.is_compiling():
-            from .eager import require_interceptor  # eager: the interceptor must be active, or SDPA would be wrong
-
-            mode = require_interceptor()
+            mode = require_interceptor()  # eager: the interceptor must be active, or SDPA would be wrong
             call = MarkerCall(tensors, self.layer, self.budget, self.keep, self.sliding)
             k._fxbudget, v._fxbudget = call, call
             mode.pending[id(call)] = self.layer

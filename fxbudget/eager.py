@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .cache import MARKER_TENSORS
 from .kernel import DEFAULT_BLOCK, budget_attention
+from .marker import MARKER_TENSORS
 from .rules.base import Rule
 from .sdpa_args import bind, check
 

@@ -68,13 +68,30 @@ def test_unsupported_layer_type():
         fxbudget.BudgetCache(cfg, 8)
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
 def test_no_sdpa_in_model(backend):
+    """A model fxbudget cannot budget fails on every call, never runs unbudgeted; restore() gives it back."""
     model = OneLayer(use_sdpa=False)
     fxbudget.compile(model, rule="knorm", budget=4, backend=backend)
-    with pytest.raises(fxbudget.NoBudgetAttentionError, match="scaled_dot_product_attention"):
-        model(torch.zeros(1, 3, dtype=torch.long), past_key_values=fxbudget.BudgetCache(CONFIG, 4))
+    for _ in range(2):  # the second call must not silently run the unmodified model
+        with pytest.raises(fxbudget.NoBudgetAttentionError, match="scaled_dot_product_attention.*restore()"):
+            model(torch.zeros(1, 3, dtype=torch.long), past_key_values=fxbudget.BudgetCache(CONFIG, 4))
+    assert model.forward.restore() is model
     _untouched(model)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_failed_model_stays_failed_in_generate(backend):
+    """An HF model whose attention stops being SDPA: every generate() raises, none runs the full cache."""
+    model = fxbudget.compile(tiny_model("llama"), rule="snapkv", budget=16, backend=backend)
+    model.config._attn_implementation = "eager"  # attention fxbudget cannot see (matmul + softmax, no SDPA)
+    ids = torch.randint(0, 96, (1, 6))
+    for _ in range(2):
+        with pytest.raises(fxbudget.NoBudgetAttentionError, match="restore()"):
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+    model.forward.restore()
+    assert model.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 8)
 
 
 def test_compile_twice(model):

@@ -2,6 +2,12 @@
 
 import csv
 import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,10 +15,11 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from fxbudget.cli import main
 from fxbudget.harness.report import load_rows
-from fxbudget.models import default_cache_dir, load_default
+from fxbudget import kernel_fingerprint, rules
+from fxbudget.models import default_cache_dir, load_default, load_model
 
-GRID = ["--tasks", "passkey,niah_multikey", "--lengths", "300", "--rules", "full,snapkv,streamingllm,h2o",
-        "--budgets", "32,4096", "--samples", "2", "--max-new-tokens", "4", "--quiet"]
+GRID = ["--tasks", "passkey,niah_multikey", "--lengths", "300", "--rules", "full,snapkv,streamingllm,h2o,pyramidkv",
+        "--param", "pyramidkv.window=8", "--budgets", "32,4096", "--samples", "2", "--max-new-tokens", "4", "--quiet"]
 ROW_FIELDS = ("model", "rule", "rule_params", "budget", "protocol", "chunk_size", "window", "dtype", "device", "torch",
               "transformers", "kernel_fingerprint", "peak_mem_bytes", "shared_prefill_peak_mem_bytes",
               "kv_allocated_bytes", "kv_held_bytes", "prefill_s", "decode_s",
@@ -49,7 +56,7 @@ def single_run(tiny_dir, tmp_path_factory):
 
 def test_rows_report_and_plots(single_run):
     out, rows = single_run
-    assert len(rows) == 2 * 2 * (1 + 3 * 2)  # tasks x samples x (reference + rules x budgets)
+    assert len(rows) == 2 * 2 * (1 + 4 * 2)  # tasks x samples x (reference + rules x budgets)
     for r in rows.values():
         missing = [f for f in ROW_FIELDS if f not in r]
         assert not missing, missing
@@ -68,7 +75,7 @@ def test_rows_report_and_plots(single_run):
     report = (out / "report.md").read_text()
     assert "| full (unmodified model) |" in report and "one shared kernel" in report
     summary = list(csv.DictReader((out / "summary.csv").open()))
-    assert {s["rule"] for s in summary} == {"full", "snapkv", "streamingllm", "h2o"}
+    assert {s["rule"] for s in summary} == {"full", "snapkv", "streamingllm", "h2o", "pyramidkv"}
 
 
 def test_budget_covering_context_equals_full(single_run):
@@ -76,7 +83,7 @@ def test_budget_covering_context_equals_full(single_run):
     _, rows = single_run
     full = {(r["task"], r["sample"]): r["prediction"] for r in rows.values() if r["rule"] == "full"}
     covering = [r for r in rows.values() if r["budget"] == 4096]
-    assert len(covering) == 12
+    assert len(covering) == 16
     for r in covering:
         assert r["prediction"] == full[(r["task"], r["sample"])], (r["rule"], r["task"], r["sample"])
 
@@ -94,6 +101,62 @@ def test_resume_skips_completed_rows(single_run, tiny_dir, tmp_path):
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(lines)  # nothing left to run
 
 
+# Runs `fxbudget compare` in a child process that SIGKILLs itself halfway through writing its third row.
+KILL_MID_WRITE = """
+import json, os, signal, sys
+from fxbudget.harness import results
+from fxbudget.cli import main
+
+written = []
+
+def append_row(f, row):
+    line = json.dumps(row, default=str) + "\\n"
+    if len(written) == 2:
+        f.write(line[: len(line) // 2])
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    written.append(row)
+    f.write(line)
+    f.flush()
+
+results.append_row = append_row
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _lines(path):
+    return path.read_text().splitlines() if path.is_file() else []
+
+
+def test_killed_runs_resume_with_every_row_once(single_run, tiny_dir, tmp_path):
+    """SIGKILL mid-write, then SIGKILL mid-run, then a rerun: every row exactly once, the single run's answers."""
+    _, rows = single_run
+    rows = {k: r for k, r in rows.items() if r["task"] == "passkey"}  # half of the grid: the same samples and keys
+    root = Path(__file__).resolve().parent.parent
+    args = ["compare", "--model", tiny_dir, *GRID, "--tasks", "passkey", "--out", str(tmp_path / "out")]
+    path = tmp_path / "out" / "results.jsonl"
+    killed = subprocess.run([sys.executable, "-c", KILL_MID_WRITE, *args], cwd=root, capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    text = path.read_text()
+    assert len(text.splitlines()) == 3 and not text.endswith("\n")  # two rows and half of the third
+
+    with (tmp_path / "stderr.txt").open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "fxbudget.cli", *args], cwd=root, stderr=err)
+        try:
+            while len(_lines(path)) < 5 and proc.poll() is None:  # the repaired file + at least 3 new rows
+                time.sleep(0.05)
+            assert proc.poll() is None, "the run ended before it could be killed"
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.wait()
+    assert "line 3 is cut short" in (tmp_path / "stderr.txt").read_text()
+
+    again = compare(tiny_dir, tmp_path / "out", "--tasks", "passkey")
+    keys = [json.loads(line)["key"] for line in _lines(path)]  # every line is a whole row
+    assert sorted(keys) == sorted(rows) and len(set(keys)) == len(keys)
+    assert {k: r["prediction"] for k, r in again.items()} == {k: r["prediction"] for k, r in rows.items()}
+
+
 def test_shards_merge_to_the_single_run(single_run, tiny_dir, tmp_path):
     _, rows = single_run
     a, b = compare(tiny_dir, tmp_path / "a", "--shard", "0/2"), compare(tiny_dir, tmp_path / "b", "--shard", "1/2")
@@ -108,7 +171,9 @@ def test_shards_merge_to_the_single_run(single_run, tiny_dir, tmp_path):
 @pytest.mark.parametrize("protocol, backend", [("query-aware", "none"), ("streaming", "none"),
                                                ("query-agnostic", "aot_eager")])
 def test_other_protocols_chunked_prefill_and_compiled(tiny_dir, tmp_path, protocol, backend):
-    rows = compare(tiny_dir, tmp_path, "--protocol", protocol, "--chunk-size", "128", "--backend", backend)
+    # Compiled: every row compiles its own graphs, so two rules (snapkv, and pyramidkv's per-layer budgets) suffice.
+    rules = ["--rules", "full,snapkv,pyramidkv"] if backend != "none" else []
+    rows = compare(tiny_dir, tmp_path, "--protocol", protocol, "--chunk-size", "128", "--backend", backend, *rules)
     budgeted = [r for r in rows.values() if r["rule"] != "full"]
     assert all(r["protocol"] == protocol and r["chunk_size"] == 128 and not r["shared_prefill"]
                and r["backend"] == backend for r in budgeted)
@@ -129,6 +194,15 @@ def test_bad_arguments_fail_clearly(tiny_dir, tmp_path):
         main(["report", str(tmp_path)])
     with pytest.raises(SystemExit):
         main(["compare", "--shard", "2/2"])
+
+
+def test_help_names_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert not re.search(r"\(default: [^)]*\) \(default:", text)  # e.g. "(default: one call) (default: None)"
+    assert "(default: passkey)" in text and "(default: 0/1)" in text and "(default: one call)" in text
 
 
 def test_rules_command_lists_every_rule(capsys):
@@ -153,12 +227,24 @@ def test_real_model_smoke(tmp_path):
     assert "| full (unmodified model) |" in (tmp_path / "report.md").read_text()
 
 
-def test_inspect_prints_the_rewritten_graph(tiny_dir, capsys):
-    assert main(["inspect", "--model", tiny_dir, "--rule", "h2o", "--budget", "16", "--tokens", "8"]) == 0
+def test_inspect_summarizes_and_prints_one_layer(tiny_dir, capsys):
+    args = ["inspect", "--model", tiny_dir, "--rule", "pyramidkv", "--budget", "16", "--tokens", "8",
+            "--param", "pyramidkv.window=4"]  # the default window (32) exceeds this budget: the param must be used
+    assert main(args) == 0
     out = capsys.readouterr().out
-    assert "def forward" in out and "topk" in out  # the kernel's eviction is in the graph
-    assert "scaled_dot_product_attention" not in out  # every SDPA call was rewritten
-    assert "# kernel fingerprint (rule ops masked): " in out
+    assert rules.pyramid_budgets(16, 2, 20, 4) == [28, 4]  # each layer: its budget, 1 SDPA call rewritten
+    assert "#     0  full               28               1" in out
+    assert "#     1  full                4               1" in out
+    assert "# SDPA calls found: 2, rewritten: 2, left unchanged (not fed by a BudgetCache): 0" in out
+    assert out.count("def forward") == 1 and "topk" in out  # one layer's kernel, its eviction included
+    assert "scaled_dot_product_attention" not in out and "embedding" not in out  # only the kernel region
+    model, _, _ = load_model(tiny_dir, progress=False)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    fingerprint = kernel_fingerprint(model, ids, rule="pyramidkv", budget=16, window=4)
+    assert f"# kernel fingerprint (rule ops masked): {fingerprint}" in out
+    assert main([*args, "--full"]) == 0
+    full = capsys.readouterr().out
+    assert "embedding" in full and "scaled_dot_product_attention" not in full and len(full) > 2 * len(out)
 
 
 def test_user_task_file(tiny_dir, tmp_path):

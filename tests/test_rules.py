@@ -11,6 +11,7 @@ import fxbudget
 from fxbudget import rules
 from fxbudget.kernel import TOTALED, budget_attention
 from conftest import fresh, tiny_model
+from fxbudget.cache_arg import output_cache
 
 
 def _kept_after_one_call(rule, budget, n=20, seed=0):
@@ -69,9 +70,36 @@ def test_pyramid_budgets_sum_exactly_and_memory_matches_uniform():
     with pytest.raises(ValueError, match="needs per-layer budgets"):
         m(input_ids=torch.zeros(1, 3, dtype=torch.long), past_key_values=fxbudget.BudgetCache(model.config, 48))
     with torch.no_grad():
-        cache = m(input_ids=torch.randint(0, 96, (1, 70))).past_key_values
+        cache = output_cache(m(input_ids=torch.randint(0, 96, (1, 100))))
+    assert cache.layer_budgets == rules.pyramid_budgets(48, 4, 20, 8, prompt=100) != [48] * 4
     held = [int((cache.positions(i)[0, 0] >= 0).sum()) for i in range(4)]
-    assert held == [min(70, b) for b in cache.layer_budgets]
+    assert held == [min(100, b) for b in cache.layer_budgets]
+
+
+def test_pyramid_schedule_follows_the_prompt():
+    """As KVCache-Factory's PyramidKV: uniform for prompts below max(B, 2(B - w)); the lowest layer's budget is
+    capped at the prompt; the sum stays layers x budget."""
+    B, w = 128, 32
+    for n in (10, 127, 128, 191):  # below max(B, 2(B - w)) = 192
+        assert rules.pyramid_budgets(B, 2, 20, w, prompt=n) == [B, B]
+    fixed = rules.pyramid_budgets(B, 4, 20, w)
+    assert fixed == [219, 158, 98, 37]  # w + 188 - 61 i (188 = 2(B - w) - (B - w) // 20), less 2 of rounding
+    for n in (192, 200, 218):  # the lowest layer would get more than the prompt: capped, the rest moves up
+        b = rules.pyramid_budgets(B, 4, 20, w, prompt=n)
+        assert sum(b) == 4 * B and b == sorted(b, reverse=True) and abs(b[0] - n) <= 1 and b[-1] > fixed[-1], b
+    assert rules.pyramid_budgets(B, 4, 20, w, prompt=5000) == fixed
+    # Where the length is known: the cache made on a call without one, and new_cache(prompt=); else the fixed one.
+    model = tiny_model("llama", layers=4)
+    m = fxbudget.compile(fresh(model), rule="pyramidkv", budget=B, backend=None)
+    assert m.forward.new_cache().layer_budgets == fixed
+    with torch.no_grad():
+        for n in (48, 200):
+            cache = output_cache(m(input_ids=torch.randint(0, 96, (1, n))))
+            assert cache.layer_budgets == rules.pyramid_budgets(B, 4, 20, w, prompt=n)
+            m(input_ids=torch.zeros(1, 1, dtype=torch.long), cache=cache)  # its schedule is accepted on later calls
+        sized = m.forward.new_cache(prompt=200)
+        m(input_ids=torch.randint(0, 96, (1, 200)), cache=sized)
+        assert sized.layer_budgets == cache.layer_budgets
 
 
 def test_pyramid_wraps_any_rule():
@@ -80,7 +108,7 @@ def test_pyramid_wraps_any_rule():
     model = tiny_model("llama", layers=2)
     m = fxbudget.compile(fresh(model), rule=p, budget=16, backend=None)
     with torch.no_grad():
-        cache = m(input_ids=torch.randint(0, 96, (1, 40))).past_key_values
+        cache = output_cache(m(input_ids=torch.randint(0, 96, (1, 40))))
     assert cache.layer_budgets == [28, 4]
 
 

@@ -76,7 +76,7 @@ def shared_prefill(model: nn.Module, input_ids: Tensor, *, window: int = DEFAULT
     try:
         cache = model.forward.new_cache(input_ids.shape[0])
         with torch.no_grad(), recording() as calls:
-            out = model(input_ids=input_ids, past_key_values=cache, logits_to_keep=1)
+            out = model(input_ids=input_ids, cache=cache, logits_to_keep=1)  # fxbudget takes either name
     finally:
         model.forward.restore()
     return SharedPrefill(calls=calls, signals=recorder.signals, cache=cache, logits=out.logits[:, -1], n=n,

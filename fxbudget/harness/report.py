@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import csv
-import json
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
 from ..models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_WEIGHTS
+from .results import read_rows
 from .runner import REFERENCE
 from .tasks import NEEDLE_TASKS
 
@@ -17,7 +17,8 @@ GROUP = ("model", "protocol", "chunk_size", "backend", "task", "length", "rule",
 
 
 def load_rows(dirs: list[str | Path]) -> list[dict]:
-    """Every row of `results*.jsonl` in `dirs` (shards of one grid, or several runs), one per key (the last wins)."""
+    """Every row of `results*.jsonl` in `dirs` (shards of one grid, or several runs), one per key (the last wins).
+    A last line cut short by a killed run is left out with a warning (`results.read_rows`)."""
     rows: dict[str, dict] = {}
     for d in dirs:
         d = Path(d)
@@ -25,13 +26,8 @@ def load_rows(dirs: list[str | Path]) -> list[dict]:
         if not files:
             raise FileNotFoundError(f"no results*.jsonl in {d}")
         for path in files:
-            for n, line in enumerate(path.read_text().splitlines(), 1):
-                if line.strip():
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as e:  # a run killed mid-write leaves a partial last line
-                        raise ValueError(f"{path}:{n}: not a JSON row ({e}); delete the line and rerun") from None
-                    rows[row["key"]] = row
+            for row in read_rows(path):
+                rows[row["key"]] = row
     return list(rows.values())
 
 

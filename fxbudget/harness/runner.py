@@ -30,7 +30,9 @@ from torch import nn
 from ..api import compile as fx_compile
 from ..api import kernel_fingerprint
 from ..backend import INNER_BACKENDS, kernel_window
+from ..cache_arg import cache_kwargs, output_cache
 from ..rules import get
+from . import results
 from .branch import branch, shared_prefill
 from .malloc import malloc_setting
 from .tasks import TASKS, Sample, chat_ids, load_jsonl, make_samples, score
@@ -157,9 +159,9 @@ def _greedy(model: nn.Module, cache, logits: torch.Tensor, max_new: int, eos: se
         out.append(tok)
         if len(out) == max_new:
             break
-        step = model(input_ids=torch.tensor([[tok]], device=logits.device), past_key_values=cache, use_cache=True,
-                     logits_to_keep=1)
-        logits, cache = step.logits[:, -1], step.past_key_values
+        step = model(input_ids=torch.tensor([[tok]], device=logits.device), use_cache=True, logits_to_keep=1,
+                     **cache_kwargs(model.forward, cache))
+        logits, cache = step.logits[:, -1], output_cache(step)
     return out, cache
 
 
@@ -224,12 +226,8 @@ class Runner:
         self.compile_s = self.run_s = 0.0
 
     def done_keys(self) -> set[str]:
-        keys = set()
-        for path in self.out_dir.glob("results*.jsonl"):
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    keys.add(json.loads(line)["key"])
-        return keys
+        """Keys of the complete rows in `out_dir` (every shard's file): a row cut short by a kill is not done."""
+        return {row["key"] for path in self.out_dir.glob("results*.jsonl") for row in results.read_rows(path)}
 
     def plan(self) -> list[tuple[Unit, list[tuple[str, int | None]]]]:
         """This shard's samples and, for each, the configurations not yet in the results."""
@@ -247,6 +245,7 @@ class Runner:
 
         (self.out_dir / "run.json").write_text(json.dumps(
             {"model": self.model_name, "grid": asdict(self.grid), "shard": list(self.shard), **self.env}, indent=1))
+        results.repair(self.path)  # a run killed mid-write left a cut last line: never append a row onto it
         plan = self.plan()
         bar = tqdm(total=sum(len(todo) for _, todo in plan), unit="row", disable=not self.progress,
                    dynamic_ncols=True)
@@ -255,8 +254,7 @@ class Runner:
             with torch.no_grad(), self.path.open("a") as f:
                 for unit, todo in plan:
                     for row in self._run_unit(unit, todo, bar):
-                        f.write(json.dumps(row, default=str) + "\n")
-                        f.flush()
+                        results.append_row(f, row)
                         rows.append(row)
                         bar.update(1)
                         bar.set_postfix_str(f"compile {self.compile_s:.0f}s, run {self.run_s:.0f}s")
@@ -313,7 +311,7 @@ class Runner:
         with _Clock() as pre:
             out = self.model(input_ids=torch.cat([ctx, question], dim=1), use_cache=True, logits_to_keep=1)
         with _Clock() as dec:
-            ids, cache = _greedy(self.model, out.past_key_values, out.logits[:, -1], max_new, self.eos)
+            ids, cache = _greedy(self.model, output_cache(out), out.logits[:, -1], max_new, self.eos)
         self._timed(pre), self._timed(dec)
         return {"rule": REFERENCE, "rule_params": {}, "budget": None, "window": None, "kernel_fingerprint": None,
                 "shared_prefill": False, "prefill_s": pre.run, "decode_s": dec.run,
@@ -332,23 +330,23 @@ class Runner:
         # covers the branch and decode (the recorded prefill is still held).
         peak = _Peak(prefill_ids.device)
         try:
-            cache = model.forward.new_cache(prefill_ids.shape[0])
+            cache = model.forward.new_cache(prefill_ids.shape[0], prompt=prefill_ids.shape[1])
             with _Clock() as pre:
                 if shared is not None:
                     branch(shared, cache, rule)
                     logits = shared.logits
                 else:
-                    logits = model(input_ids=prefill_ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+                    logits = model(input_ids=prefill_ids, cache=cache, logits_to_keep=1).logits[:, -1]
             with _Clock() as dec:
                 if g.protocol == "query-agnostic":
                     with cache.frozen():
-                        logits = model(input_ids=question, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+                        logits = model(input_ids=question, cache=cache, logits_to_keep=1).logits[:, -1]
                         ids, _ = _greedy(model, cache, logits, max_new, self.eos)
                 elif g.protocol == "query-aware":
                     with cache.frozen():
                         ids, _ = _greedy(model, cache, logits, max_new, self.eos)
                 else:
-                    logits = model(input_ids=question, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+                    logits = model(input_ids=question, cache=cache, logits_to_keep=1).logits[:, -1]
                     ids, _ = _greedy(model, cache, logits, max_new, self.eos)
         finally:
             model.forward.restore()

@@ -92,9 +92,10 @@ class Rule:
     never_evicts: ClassVar[bool] = False  # True for `full`: a call that would overflow the budget is an error
     needs_rope: ClassVar[bool] = False  # True if `score` reads `inv_freq`: models without default RoPE are refused
 
-    def layer_budgets(self, budget: int, n_layers: int) -> list[int] | None:
+    def layer_budgets(self, budget: int, n_layers: int, prompt: int | None = None) -> list[int] | None:
         """Per-layer budgets for the `n_layers` budgeted layers (None = `budget` for all); must sum to
-        `n_layers * budget`, so every rule holds the same memory."""
+        `n_layers * budget`, so every rule holds the same memory. `prompt` is the prefill length when it is known
+        as the cache is sized (None otherwise), for schedules that adapt to it."""
         return None
 
     def score(self, s: Signals) -> Tensor:
