@@ -415,7 +415,7 @@ def report_lines(a: dict, b: dict, names: tuple[str, str], tie: float = TIE) -> 
         e = d["env"]
         lines.append(f"- {tag}: `{name}`: {e['device_name']}, {e['dtype']}, backend {e['backend']}, torch "
                      f"{e['torch']}, transformers {e['transformers']}, fxbudget {str(e.get('fxbudget_commit'))[:9]}, "
-                     f"{e['date']}; dump wall time {d['wall_s']:.0f} s; command `{d['command']}`")
+                     f"{e['date']} (load {e['load']} at start); dump wall time {d['wall_s']:.0f} s; command `{d['command']}`")
     cfg = a["config"]
     lines += [f"- Model {cfg['model']}; prompts: {cfg['task']} seed {cfg['seed']} "
               + ", ".join(f"{k}: {v['tokens']} tokens" for k, v in a["prompts"].items() if k in b["prompts"])

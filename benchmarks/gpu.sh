@@ -43,7 +43,7 @@ fi
 cross_device() {
   # 4. Cross-device kept sets: CUDA dumps vs the committed CPU dumps, and Inductor vs eager on CUDA.
   local XD=benchmarks/results/cross_device dt a b pairs=()
-  "$PY" -c "from fxbudget.models import load_default; load_default(progress=False)" \
+  "$PY" -c "from fxbudget.models import load_default; load_default(progress=False)" >&2 \
     || { echo "cross_device: the embedded model does not load (pip install 'flexbudget[models]')"; return; }
   for dt in float32 bfloat16; do
     timeout 300 "$PY" benchmarks/cross_device.py dump --device cuda --dtype $dt --backend eager \

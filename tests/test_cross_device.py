@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
 import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
