@@ -240,11 +240,14 @@ def prompt_ids(tokenizer, task: str, length: int, seed: int):
 
 
 def _git_commit() -> str | None:
+    """HEAD of the checkout, with "+dirty" if tracked files differ from it; None outside a git checkout."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
     except (OSError, subprocess.CalledProcessError):
         return None
+    return head + ("+dirty" if dirty else "")
 
 
 def dump(model, tokenizer, model_name: str, *, device: str, dtype: str, backend: str, task: str = "niah_multikey",
@@ -398,6 +401,10 @@ def _label(d: dict) -> str:
     return f"{e['device_name']} {e['dtype']} {e['backend']}"
 
 
+def _short(commit: str | None) -> str:
+    return "unknown" if not commit else commit[:9] + ("+dirty" if commit.endswith("+dirty") else "")
+
+
 def _f(x: float) -> str:
     return "1" if x == 1.0 else f"{x:.4f}"
 
@@ -414,7 +421,7 @@ def report_lines(a: dict, b: dict, names: tuple[str, str], tie: float = TIE) -> 
     for tag, d, name in (("A", a, names[0]), ("B", b, names[1])):
         e = d["env"]
         lines.append(f"- {tag}: `{name}`: {e['device_name']}, {e['dtype']}, backend {e['backend']}, torch "
-                     f"{e['torch']}, transformers {e['transformers']}, fxbudget {str(e.get('fxbudget_commit'))[:9]}, "
+                     f"{e['torch']}, transformers {e['transformers']}, fxbudget {_short(e.get('fxbudget_commit'))}, "
                      f"{e['date']} (load {e['load']} at start); dump wall time {d['wall_s']:.0f} s; command `{d['command']}`")
     cfg = a["config"]
     lines += [f"- Model {cfg['model']}; prompts: {cfg['task']} seed {cfg['seed']} "
