@@ -19,7 +19,7 @@ from fxbudget import kernel_fingerprint, rules
 from fxbudget.models import default_cache_dir, load_default, load_model
 
 GRID = ["--tasks", "passkey,niah_multikey", "--lengths", "300", "--rules", "full,snapkv,streamingllm,h2o,pyramidkv",
-        "--param", "pyramidkv.window=8", "--budgets", "32,4096", "--samples", "2", "--max-new-tokens", "4", "--quiet"]
+        "--budgets", "48,4096", "--samples", "2", "--max-new-tokens", "4", "--quiet"]
 ROW_FIELDS = ("model", "rule", "rule_params", "budget", "protocol", "chunk_size", "window", "dtype", "device", "torch",
               "transformers", "kernel_fingerprint", "peak_mem_bytes", "shared_prefill_peak_mem_bytes",
               "kv_allocated_bytes", "kv_held_bytes", "prefill_s", "decode_s",
@@ -65,7 +65,7 @@ def test_rows_report_and_plots(single_run):
     budgeted = [r for r in rows.values() if r["rule"] != "full"]
     assert len({r["kernel_fingerprint"] for r in budgeted}) == 1  # one shared kernel
     assert all(r["shared_prefill"] for r in budgeted)
-    small = [r for r in budgeted if r["budget"] == 32]
+    small = [r for r in budgeted if r["budget"] == 48]
     full_held = min(x["kv_held_bytes"] for x in rows.values() if x["rule"] == "full")
     assert all(r["kv_held_bytes"] < full_held for r in small)
     assert all(r["kv_held_bytes"] <= r["kv_allocated_bytes"] for r in rows.values())
