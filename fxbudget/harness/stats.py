@@ -98,16 +98,17 @@ class Interval:
     method: str
 
 
-def mean_interval(scores, level: float = LEVEL) -> Interval:
+def mean_interval(scores, level: float = LEVEL, *, exact_if_binary: bool = True) -> Interval:
     """The mean of `scores` and its interval: Clopper-Pearson if every score is 0 or 1, else percentile bootstrap.
 
     Args:
         scores: per-sample values (accuracy scores in [0, 1], or any continuous metric).
+        exact_if_binary: False for a continuous metric, whose values may happen to be 0 or 1 (always bootstrap).
     """
     x = np.asarray(scores, dtype=np.float64)
     if len(x) == 0:
         raise ValueError("mean_interval needs at least one score")
-    if np.all((x == 0) | (x == 1)):
+    if exact_if_binary and np.all((x == 0) | (x == 1)):
         lo, hi = clopper_pearson(int(x.sum()), len(x), level)
         return Interval(float(x.mean()), lo, hi, len(x), "clopper-pearson")
     lo, hi = bootstrap_ci(x, level)
