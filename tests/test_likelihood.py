@@ -6,7 +6,7 @@ import torch
 
 import fxbudget
 from fxbudget.harness.branch import shared_prefill
-from fxbudget.harness.likelihood import PROTOCOLS, answer_logprobs, rule_answer_logprobs
+from fxbudget.harness.likelihood import PROTOCOLS, answer_logprobs, finish_prompt, rule_answer_logprobs
 
 from conftest import tiny_model
 
@@ -32,7 +32,7 @@ def test_unmodified_model_equals_a_direct_forward(setup):
     model, ctx, question, answer, direct = setup
     with torch.no_grad():
         out = model(input_ids=torch.cat([ctx, question], dim=1), use_cache=True, logits_to_keep=1)
-    lp = answer_logprobs(model, out.past_key_values, out.logits[:, -1], question, answer, None)
+    lp = answer_logprobs(model, out.past_key_values, out.logits[:, -1], answer)
     assert lp.dtype == torch.float64 and lp.shape == (5,)
     torch.testing.assert_close(lp, direct, atol=1e-5, rtol=0)
     assert out.past_key_values.get_seq_length() == 67  # scored on a copy: the cache still ends at the prompt
@@ -62,8 +62,10 @@ def test_shared_prefill_trial_equals_a_separate_run(setup, protocol):
             cache = model.forward.new_cache()
             with torch.no_grad():
                 logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]
-            separate = answer_logprobs(model, cache, logits, question, answer, protocol)
-            assert cache.tokens_seen == ids.shape[1]  # the copy took the forward, not the cache
+                logits = finish_prompt(model, cache, logits, question, protocol)
+            seen = cache.tokens_seen
+            separate = answer_logprobs(model, cache, logits, answer, evict=protocol == "streaming")
+            assert cache.tokens_seen == seen == 67  # the copy took the answer, not the cache
         finally:
             model.forward.restore()
         torch.testing.assert_close(trial, separate, atol=1e-6, rtol=0, msg=f"{rule}, {protocol}")
@@ -75,8 +77,6 @@ def test_shared_prefill_trial_equals_a_separate_run(setup, protocol):
 def test_bad_input():
     model = tiny_model("qwen2")
     with pytest.raises(ValueError, match="protocol"):
-        answer_logprobs(model, None, torch.zeros(1, 96), torch.zeros(1, 2, dtype=torch.long),
-                        torch.zeros(1, 2, dtype=torch.long), "chunked")
+        finish_prompt(model, None, torch.zeros(1, 96), torch.zeros(1, 2, dtype=torch.long), "chunked")
     with pytest.raises(ValueError, match="no tokens"):
-        answer_logprobs(model, None, torch.zeros(1, 96), torch.zeros(1, 2, dtype=torch.long),
-                        torch.zeros(1, 0, dtype=torch.long), None)
+        answer_logprobs(model, None, torch.zeros(1, 96), torch.zeros(1, 0, dtype=torch.long))

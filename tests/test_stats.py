@@ -5,8 +5,8 @@ import itertools
 import numpy as np
 import pytest
 
-from fxbudget.harness.stats import (bootstrap_ci, clopper_pearson, holm, mean_interval, paired_diff, rank,
-                                    sign_flip_pvalue)
+from fxbudget.harness.stats import (binary_diff_interval, bootstrap_ci, clopper_pearson, holm, mean_interval,
+                                    paired_diff, rank, sign_flip_interval, sign_flip_pvalue)
 
 
 @pytest.mark.parametrize("n", [1, 3, 6, 20])
@@ -101,3 +101,33 @@ def test_rank_cannot_separate_six_binary_samples():
 def test_rank_refuses_unpaired_values():
     with pytest.raises(ValueError, match="same samples"):
         rank({"a": np.ones(3), "b": np.ones(4)})
+
+
+def test_binary_diff_interval_by_hand():
+    lo, hi = binary_diff_interval([-1] * 8)  # 8 losses of 8: p(-1) >= 0.0125^(1/8), p(+1) <= 1 - 0.0125^(1/8)
+    assert lo == -1.0 and hi == pytest.approx((1 - 0.0125 ** (1 / 8)) - 0.0125 ** (1 / 8), abs=1e-9) and hi < 0
+    assert binary_diff_interval([-1] * 4)[1] > 0  # 4 of 4 cannot exclude 0 (the test's p is 2/16)
+    lo, hi = binary_diff_interval([0] * 8)  # agreeing on every sample is not proof of equality
+    assert lo == pytest.approx(-hi) and hi == pytest.approx(1 - 0.0125 ** (1 / 8), abs=1e-9)
+
+
+def test_sign_flip_interval_inverts_the_test():
+    assert sign_flip_interval([0.3, -0.1, 0.5, 0.2, 0.4]) == (float("-inf"), float("inf"))  # min p = 2/32 > 0.05
+    d = np.random.default_rng(5).normal(0.5, 1.0, size=14)
+    lo, hi = sign_flip_interval(d)
+    assert lo < d.mean() < hi
+    for edge, out in ((lo, -1.0), (hi, 1.0)):  # just inside each end the shift is kept, just outside rejected
+        assert sign_flip_pvalue(d - (edge - out * 1e-6)) >= 0.05 > sign_flip_pvalue(d - (edge + out * 1e-3))
+    t = 2.16 * d.std(ddof=1) / np.sqrt(14)  # Student's t interval for comparison: the same scale
+    assert 0.6 < (hi - lo) / (2 * t) < 1.6
+    lo, hi = sign_flip_interval(np.random.default_rng(6).normal(-1.0, 0.2, size=40))  # Monte Carlo above 16
+    assert lo < -0.9 and hi > -1.1 and hi < 0
+
+
+def test_paired_diff_interval_agrees_with_the_test():
+    d = paired_diff(np.zeros(4), np.ones(4))  # 4 of 4 worse: p = 2/16, interval must contain 0
+    assert d.p == pytest.approx(0.125) and d.lo < 0 < d.hi and d.method == "discordant clopper-pearson"
+    d = paired_diff(np.zeros(8), np.ones(8))
+    assert d.p == pytest.approx(2 / 256) and d.hi < 0
+    d = paired_diff(np.array([-2.0, -1.5, -2.2, -1.9]), np.zeros(4))
+    assert d.method == "sign-flip inversion" and (d.lo, d.hi) == (float("-inf"), float("inf"))

@@ -1,17 +1,18 @@
 """The answer log-likelihood metric: how likely the model finds the gold answer after the compressed context.
 
 Exact match moves in steps of 1/samples; the teacher-forced log-probability of the gold answer (`tasks.answer_ids`)
-moves continuously, so it separates rules with far fewer samples. It is measured from the state a protocol's prefill
-leaves (the shared prefill's branch, or a rule's own prefill) on a **copy** of the cache, so decoding afterwards is
-unchanged and no prefill is repeated. Per protocol, the tokens appended after that state:
+moves continuously, so it separates rules with far fewer samples. It is scored from the state right after the whole
+prompt, the state greedy decoding starts from, on a **copy** of the cache: decoding afterwards is unchanged, and
+neither the prefill nor the question's forward is repeated. The prompt's end is reached as each protocol does
+(`finish_prompt`): query-agnostic appends the question with eviction frozen, streaming appends it with eviction,
+query-aware has prefilled it. Then the answer but its last token is appended:
 
-- `query-agnostic`: the question and the answer (but its last token) in one call, eviction frozen (head-room);
-- `query-aware` and the unmodified model (`frozen=None`): the answer but its last token in one call, eviction frozen;
-  the first answer token is scored by the prefill's last-position logits;
-- `streaming`: the question in one call with eviction, then the answer one token per call with eviction, i.e. the
-  protocol's greedy decode with the gold tokens fed instead of the argmax (teacher forcing, no sampling).
+- eviction frozen, in one call (query-agnostic, query-aware; the unmodified model's own cache for the reference row);
+- `streaming`: one token per call with eviction, i.e. the protocol's greedy decode with the gold tokens fed instead
+  of the argmax (teacher forcing, no sampling).
 
-The log-probabilities come from a float32 log-softmax and are summed in float64.
+The first answer token is scored by the prompt's last-position logits. Log-probabilities come from a float32
+log-softmax and are summed in float64.
 """
 
 from __future__ import annotations
@@ -30,9 +31,20 @@ PROTOCOLS = ("query-agnostic", "query-aware", "streaming")
 
 
 def frozen_tokens(protocol: str, question_tokens: int, answer_tokens: int) -> int:
-    """Tokens the likelihood forward appends with eviction frozen (what the cache's head-room must hold)."""
+    """Tokens appended with eviction frozen after the prefill, for the likelihood (what the head-room must hold)."""
     return {"query-agnostic": question_tokens + answer_tokens - 1, "query-aware": answer_tokens - 1,
             "streaming": 0}[protocol]
+
+
+def finish_prompt(model: nn.Module, cache, last_logits: Tensor, question: Tensor, protocol: str) -> Tensor:
+    """Append what `protocol` appends of the prompt after its prefill (the question, unless query-aware prefilled
+    it) to `cache`, in place, and return the prompt's last-position logits `[batch, vocab]`."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    if protocol == "query-aware":
+        return last_logits
+    with cache.frozen() if protocol == "query-agnostic" else contextlib.nullcontext():
+        return model(input_ids=question, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
 def _logprobs(logits: Tensor, answer: Tensor) -> Tensor:
@@ -41,55 +53,44 @@ def _logprobs(logits: Tensor, answer: Tensor) -> Tensor:
     return lp[0].gather(-1, answer[0, :, None])[:, 0].double()
 
 
-def answer_logprobs(model: nn.Module, cache, last_logits: Tensor, question: Tensor, answer: Tensor,
-                    protocol: str | None) -> Tensor:
-    """Teacher-forced log-probabilities of each answer token, from the state right after a prefill.
+def answer_logprobs(model: nn.Module, cache, last_logits: Tensor, answer: Tensor, *, evict: bool = False) -> Tensor:
+    """Teacher-forced log-probabilities of each answer token, from the state right after the whole prompt.
 
     Args:
         model: the model the cache belongs to: fxbudget-compiled for a `BudgetCache`, unmodified otherwise.
-        cache: the cache after the protocol's prefill; it is not modified (the forward runs on a deep copy).
-        last_logits: `[1, vocab]` logits of the prefill's last position.
-        question: `[1, q]` question ids (appended first under `query-agnostic` and `streaming`).
+        cache: the cache after the whole prompt (`finish_prompt`); not modified (the forward runs on a deep copy).
+        last_logits: `[1, vocab]` logits of the prompt's last position (they score the first answer token).
         answer: `[1, m]` gold answer ids (`tasks.answer_ids`).
-        protocol: one of `PROTOCOLS`, or None for the unmodified model after a prefill of context + question.
+        evict: False: the answer goes in one call with eviction frozen (a `BudgetCache` needs the head-room);
+            True (streaming): one token per call, evicting as decoding does.
     Returns:
         `[m]` float64 log-probabilities (natural log) of the answer tokens.
     """
     m = answer.shape[1]
     if m < 1:
         raise ValueError("the answer has no tokens")
-    if protocol not in PROTOCOLS + (None,):
-        raise ValueError(f"protocol must be one of {PROTOCOLS} or None, got {protocol!r}")
+    logits = last_logits[:, None].float()
+    if m == 1:
+        return _logprobs(logits, answer)
     cache = copy.deepcopy(cache)
-    frozen = cache.frozen if hasattr(cache, "frozen") else contextlib.nullcontext
     with torch.no_grad():
-        if protocol == "query-agnostic":
-            ids = torch.cat([question, answer[:, :-1]], dim=1)
-            with frozen():
-                logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=m).logits
-        elif protocol == "streaming":
-            step = model(input_ids=question, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            logits = [step.logits[:, -1]]
-            for t in range(m - 1):
-                step = model(input_ids=answer[:, t:t + 1], past_key_values=cache, use_cache=True, logits_to_keep=1)
-                logits.append(step.logits[:, -1])
-            logits = torch.stack(logits, dim=1)
+        if evict:
+            steps = [model(input_ids=answer[:, t:t + 1], past_key_values=cache, use_cache=True,
+                           logits_to_keep=1).logits[:, -1:] for t in range(m - 1)]
         else:
-            logits = last_logits[:, None]
-            if m > 1:
-                with frozen():
-                    rest = model(input_ids=answer[:, :-1], past_key_values=cache, use_cache=True,
-                                 logits_to_keep=m - 1).logits
-                logits = torch.cat([logits, rest.to(logits.dtype)], dim=1)
-    return _logprobs(logits, answer)
+            with cache.frozen() if hasattr(cache, "frozen") else contextlib.nullcontext():
+                steps = [model(input_ids=answer[:, :-1], past_key_values=cache, use_cache=True,
+                               logits_to_keep=m - 1).logits]
+    return _logprobs(torch.cat([logits] + [x.float() for x in steps], dim=1), answer)
 
 
 def rule_answer_logprobs(model: nn.Module, prefill: SharedPrefill, rule: Rule | str, budget: int, question: Tensor,
                          answer: Tensor, *, protocol: str = "query-agnostic", **rule_params) -> Tensor:
     """One trial of a rule search: the answer's log-probabilities under `rule` at `budget`, without a prefill.
 
-    The cache is branched from `prefill` (`branch.py`: only the rule's score and the shared eviction run), then
-    `answer_logprobs` scores the answer. Cost: one branch plus a forward over the question and answer tokens.
+    The cache is branched from `prefill` (`branch.py`: only the rule's score and the shared eviction run), the
+    prompt finished as `protocol` does, then `answer_logprobs` scores the answer. Cost: one branch plus forwards
+    over the question (unless query-aware) and the answer tokens.
 
     Args:
         model: the unmodified model `prefill` was recorded on (it is compiled and restored here).
@@ -107,6 +108,8 @@ def rule_answer_logprobs(model: nn.Module, prefill: SharedPrefill, rule: Rule | 
     try:
         cache = model.forward.new_cache(prefill.logits.shape[0])
         branch(prefill, cache, rule)
-        return answer_logprobs(model, cache, prefill.logits, question, answer, protocol)
+        with torch.no_grad():
+            logits = finish_prompt(model, cache, prefill.logits, question, protocol)
+        return answer_logprobs(model, cache, logits, answer, evict=protocol == "streaming")
     finally:
         model.forward.restore()

@@ -3,6 +3,7 @@ one row of panels per protocol), and a needle-depth heatmap per rule."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from statistics import mean
 
@@ -64,7 +65,7 @@ def _metric_figure(rows, metric: str, path: Path, relative: bool, sort: str) -> 
                     continue
                 i = rules.index(rule)
                 # Rules often tie: distinct markers and a small horizontal offset keep every line visible.
-                shift = 2 ** (0.04 * (i - (len(rules) - 1) / 2))
+                shift = 2 ** (0.06 * (i - (len(rules) - 1) / 2))
                 xs, ys, lo, hi = [], [], [], []
                 for b in budgets(rs):
                     brs = [r for r in rs if budget_label(r) == b]
@@ -75,10 +76,15 @@ def _metric_figure(rows, metric: str, path: Path, relative: bool, sort: str) -> 
                         values = [v for v in values if v is not None]
                         if not values:
                             continue
-                        iv = mean_interval(values, exact_if_binary=False)
-                    xs.append(_x(b) * shift), ys.append(iv.mean), lo.append(iv.mean - iv.lo), hi.append(iv.hi - iv.mean)
-                ax.errorbar(xs, ys, yerr=[lo, hi], marker="os^Dv<>PX*"[i % 10], ls=("-", "--", "-.", ":")[i % 4],
-                            capsize=2, lw=1.2, ms=4, label=rule)
+                        iv = mean_interval(values, paired=delta)
+                    # An unbounded interval (five samples or fewer) gets no bar rather than an infinite one.
+                    xs.append(_x(b) * shift), ys.append(iv.mean)
+                    lo.append(_bar(iv.mean - iv.lo)), hi.append(_bar(iv.hi - iv.mean))
+                bars = ax.errorbar(xs, ys, yerr=[lo, hi], color=f"C{i % 10}", marker="os^Dv<>PX*"[i % 10],
+                                   ls=("-", "--", "-.", ":")[i % 4], capsize=2, lw=1.2, ms=4, elinewidth=0.8,
+                                   label=rule)
+                for line in bars[2]:  # faint intervals: the means stay readable where they overlap
+                    line.set_alpha(0.35)
             labels = budgets(trs)
             ax.set_xscale("log", base=2)
             ax.set_xticks([_x(b) for b in labels], [str(b) for b in labels])
@@ -90,11 +96,21 @@ def _metric_figure(rows, metric: str, path: Path, relative: bool, sort: str) -> 
                 ax.set_ylim(-0.05, 1.05)
             else:
                 ax.set_ylabel("log-prob/answer token" + (" vs full" if delta else "") + " (nats)")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
+    handles, names = axes[0][0].get_legend_handles_labels()
+    for ax in axes.ravel()[1:]:  # every rule once, whichever panel drew it
+        for h, n in zip(*ax.get_legend_handles_labels()):
+            if n not in names:
+                handles.append(h), names.append(n)
+    order = sorted(range(len(names)), key=lambda k: rules.index(names[k]) if names[k] in rules else -1)
+    fig.legend([handles[k] for k in order], [names[k] for k in order], fontsize=8, loc="center right")
+    fig.tight_layout(rect=(0, 0, 1 - 1.3 / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path.name
+
+
+def _bar(length: float) -> float:
+    return length if math.isfinite(length) else math.nan
 
 
 def _heatmap(rs, rule: str, out_dir: Path) -> str:

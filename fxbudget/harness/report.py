@@ -101,7 +101,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         acc = mean_interval([r["score"] for r in rs])
         lp = metric_values(rs, "likelihood")
         deltas = [d for d in (logprob_delta(r, refs) for r in rs) if d is not None]
-        dv = mean_interval(deltas, exact_if_binary=False) if deltas and rs[0]["rule"] != REFERENCE else None
+        dv = mean_interval(deltas, paired=True) if deltas and rs[0]["rule"] != REFERENCE else None
         out.append({**dict(zip(GROUP, key)), "budget_fraction": rs[0].get("budget_fraction"),
                     "budget_tokens": mean(r["budget"] for r in rs) if rs[0]["budget"] is not None else None,
                     "samples": len(rs), "accuracy": acc.mean, "accuracy_lo": acc.lo, "accuracy_hi": acc.hi,
@@ -201,7 +201,7 @@ def likelihood_table(rows: list[dict], sort: str = "accuracy", *, by_setting: bo
                 cells.append(f"{own}{mean(values):.3f} ({len(values)})" if values else "")
                 continue
             values = [d for d in (logprob_delta(r, refs) for r in rs) if d is not None]
-            cells.append(f"{_interval(mean_interval(values, exact_if_binary=False), 3)} ({len(values)})"
+            cells.append(f"{_interval(mean_interval(values, paired=True), 3)} ({len(values)})"
                          if values else "")
         lines.append(f"| {_name(rule)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -20,6 +20,7 @@ kind per run. Every budgeted row also records the teacher-forced log-likelihood 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import math
@@ -39,7 +40,7 @@ from ..api import kernel_fingerprint
 from ..backend import INNER_BACKENDS, kernel_window
 from ..rules import get
 from .branch import branch, shared_prefill
-from .likelihood import answer_logprobs, frozen_tokens
+from .likelihood import answer_logprobs, finish_prompt, frozen_tokens
 from .malloc import malloc_setting
 from .tasks import TASKS, Sample, answer_ids, chat_ids, load_jsonl, make_samples, score
 
@@ -348,7 +349,7 @@ class Runner:
         """The unmodified model, transformers' own cache: the full-cache reference row."""
         with _Clock() as pre:
             out = self.model(input_ids=torch.cat([ctx, question], dim=1), use_cache=True, logits_to_keep=1)
-        likelihood = self._likelihood(out.past_key_values, out.logits[:, -1], question, answer, None)
+        likelihood = self._likelihood(out.past_key_values, out.logits[:, -1], answer)
         with _Clock() as dec:
             ids, cache = _greedy(self.model, out.past_key_values, out.logits[:, -1], max_new, self.eos)
         self._timed(pre), self._timed(dec)
@@ -358,12 +359,13 @@ class Runner:
                 "output_ids": ids, "output_tokens": len(ids), "kv_bytes": _kv_bytes(cache), "peak_mem_bytes": None}
 
     # --- answer likelihood (issue 13): scored on a copy of the cache right after the prefill ---------------------
-    def _likelihood(self, cache, last_logits, question, answer, protocol) -> dict:
-        """Row fields of the teacher-forced answer log-likelihood (`likelihood.py`); None when switched off."""
+    def _likelihood(self, cache, last_logits, answer, *, evict: bool = False) -> dict:
+        """Row fields of the teacher-forced answer log-likelihood from the state after the whole prompt
+        (`likelihood.py`); None when switched off."""
         if answer is None:
             return {"answer_logprob": None, "answer_logprob_mean": None, "likelihood_s": None, "compile_s": 0.0}
         with _Clock() as clock:
-            lp = answer_logprobs(self.model, cache, last_logits, question, answer, protocol)
+            lp = answer_logprobs(self.model, cache, last_logits, answer, evict=evict)
         self._timed(clock)
         return {"answer_logprob": float(lp.sum()), "answer_logprob_mean": float(lp.mean()),
                 "likelihood_s": clock.run, "compile_s": clock.compile}
@@ -390,30 +392,25 @@ class Runner:
                     logits = shared.logits
                 else:
                     logits = model(input_ids=prefill_ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+            with _Clock() as question_clock:  # the question, as the protocol appends it (part of decode_s)
+                logits = finish_prompt(model, cache, logits, question, protocol)
             peak = torch.cuda.max_memory_allocated() if cuda else None
-            likelihood = self._likelihood(cache, logits, question, answer, protocol)
+            likelihood = self._likelihood(cache, logits, answer, evict=protocol == "streaming")
             if cuda:  # the likelihood's cache copy is not part of the configuration's memory: leave it out
                 torch.cuda.reset_peak_memory_stats()
             with _Clock() as dec:
-                if protocol == "query-agnostic":
-                    with cache.frozen():
-                        logits = model(input_ids=question, past_key_values=cache, logits_to_keep=1).logits[:, -1]
-                        ids, _ = _greedy(model, cache, logits, max_new, self.eos)
-                elif protocol == "query-aware":
-                    with cache.frozen():
-                        ids, _ = _greedy(model, cache, logits, max_new, self.eos)
-                else:
-                    logits = model(input_ids=question, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+                with cache.frozen() if protocol != "streaming" else contextlib.nullcontext():
                     ids, _ = _greedy(model, cache, logits, max_new, self.eos)
         finally:
             model.forward.restore()
-        self._timed(pre), self._timed(dec)
+        self._timed(pre), self._timed(question_clock), self._timed(dec)
         return {"rule": rule_name, "rule_params": rule.params(), "budget": budget, "window": kernel_window(rule),
                 "layer_budgets": cache.layer_budgets if len(set(cache.layer_budgets)) > 1 else None,
                 "headroom": headroom, "kernel_fingerprint": fingerprint, "shared_prefill": shared is not None,
                 # With a shared prefill, prefill_s is what a separate run would take: the shared forward + the branch.
                 "prefill_s": pre.run + (shared_s or 0.0), "branch_s": pre.run if shared is not None else None,
-                "decode_s": dec.run, "compile_s": pre.compile + dec.compile + likelihood.pop("compile_s"),
+                "decode_s": question_clock.run + dec.run,
+                "compile_s": pre.compile + question_clock.compile + dec.compile + likelihood.pop("compile_s"),
                 **likelihood, "output_ids": ids,
                 "output_tokens": len(ids), "kv_bytes": cache.kv_bytes(),
                 "peak_mem_bytes": max(peak, torch.cuda.max_memory_allocated()) if cuda else None}
