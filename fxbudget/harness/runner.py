@@ -15,7 +15,7 @@ The reference row does not depend on the protocol: it runs once per sample and i
 
 Budgets are absolute (`128`: KV entries per layer and KV head) or relative (`"12.5%"`: that fraction of each sample's
 context tokens, i.e. the prompt before the question, chat-template header included; floored as kvpress does); one
-kind per run. Every budgeted row also records the teacher-forced log-likelihood of the gold answer (`likelihood.py`).
+kind per run. Every row also records the teacher-forced log-likelihood of the gold answer (`likelihood.py`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import contextlib
 import importlib.metadata
 import json
 import math
-from fractions import Fraction
 import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 import torch
