@@ -257,3 +257,15 @@ def test_user_task_file(tiny_dir, tmp_path):
     rows = load_rows([tmp_path / "out"])
     assert len(rows) == 4 and {r["task"] for r in rows} == {"mytask"}
     assert {tuple(r["answers"]) for r in rows} == {("4242",), ("red", "blue")}
+
+
+def test_demo_grid_parses_and_validates():
+    from fxbudget.cli import build_parser
+    from fxbudget.demo import DEMO_ARGS
+
+    args = build_parser().parse_args(DEMO_ARGS)
+    assert args.protocol == ["query-agnostic", "query-aware"] and args.budgets == ["12.5%", "25%"]
+    grid = runner.Grid(tasks=args.tasks, lengths=args.lengths, rules=args.rules, budgets=args.budgets,
+                       samples=args.samples, protocols=args.protocol)
+    grid.validate()
+    assert len(runner.units(grid)) * len(runner.configs(grid)) == 8 * 2 * (1 + 5 * 2)
