@@ -74,6 +74,22 @@ def test_shared_prefill_trial_equals_a_separate_run(setup, protocol):
     assert all(abs(v - float(direct.sum())) > 1e-6 for v in values.values())
 
 
+def test_stepwise_equals_one_call(setup):
+    """Token by token (what a compiled forward uses, to reuse its decode graph) gives the one-call values."""
+    model, ctx, question, answer, _ = setup
+    fxbudget.compile(model, rule="snapkv", budget=16, backend=None, headroom=64)
+    try:
+        cache = model.forward.new_cache()
+        with torch.no_grad():
+            logits = model(input_ids=ctx, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+            logits = finish_prompt(model, cache, logits, question, "query-agnostic")
+        one = answer_logprobs(model, cache, logits, answer)
+        steps = answer_logprobs(model, cache, logits, answer, stepwise=True)
+    finally:
+        model.forward.restore()
+    torch.testing.assert_close(steps, one, atol=1e-5, rtol=0)
+
+
 def test_bad_input():
     model = tiny_model("qwen2")
     with pytest.raises(ValueError, match="protocol"):

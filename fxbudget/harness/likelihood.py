@@ -7,7 +7,8 @@ neither the prefill nor the question's forward is repeated. The prompt's end is 
 (`finish_prompt`): query-agnostic appends the question with eviction frozen, streaming appends it with eviction,
 query-aware has prefilled it. Then the answer but its last token is appended:
 
-- eviction frozen, in one call (query-agnostic, query-aware; the unmodified model's own cache for the reference row);
+- eviction frozen, in one call (query-agnostic, query-aware; the unmodified model's own cache for the reference row;
+  one token per call under a compiled forward, to reuse its decode graph);
 - `streaming`: one token per call with eviction, i.e. the protocol's greedy decode with the gold tokens fed instead
   of the argmax (teacher forcing, no sampling).
 
@@ -53,7 +54,8 @@ def _logprobs(logits: Tensor, answer: Tensor) -> Tensor:
     return lp[0].gather(-1, answer[0, :, None])[:, 0].double()
 
 
-def answer_logprobs(model: nn.Module, cache, last_logits: Tensor, answer: Tensor, *, evict: bool = False) -> Tensor:
+def answer_logprobs(model: nn.Module, cache, last_logits: Tensor, answer: Tensor, *, evict: bool = False,
+                    stepwise: bool = False) -> Tensor:
     """Teacher-forced log-probabilities of each answer token, from the state right after the whole prompt.
 
     Args:
@@ -61,8 +63,10 @@ def answer_logprobs(model: nn.Module, cache, last_logits: Tensor, answer: Tensor
         cache: the cache after the whole prompt (`finish_prompt`); not modified (the forward runs on a deep copy).
         last_logits: `[1, vocab]` logits of the prompt's last position (they score the first answer token).
         answer: `[1, m]` gold answer ids (`tasks.answer_ids`).
-        evict: False: the answer goes in one call with eviction frozen (a `BudgetCache` needs the head-room);
-            True (streaming): one token per call, evicting as decoding does.
+        evict: False: the answer goes in with eviction frozen (a `BudgetCache` needs the head-room); True
+            (streaming): one token per call, evicting as decoding does.
+        stepwise: frozen too, but one token per call: with a compiled forward this reuses the decode step's graph
+            instead of compiling one for the answer's length (same values up to float rounding).
     Returns:
         `[m]` float64 log-probabilities (natural log) of the answer tokens.
     """
@@ -74,11 +78,12 @@ def answer_logprobs(model: nn.Module, cache, last_logits: Tensor, answer: Tensor
         return _logprobs(logits, answer)
     cache = copy.deepcopy(cache)
     with torch.no_grad():
-        if evict:
-            steps = [model(input_ids=answer[:, t:t + 1], past_key_values=cache, use_cache=True,
-                           logits_to_keep=1).logits[:, -1:] for t in range(m - 1)]
-        else:
-            with cache.frozen() if hasattr(cache, "frozen") else contextlib.nullcontext():
+        frozen = cache.frozen if hasattr(cache, "frozen") and not evict else contextlib.nullcontext
+        with frozen():
+            if evict or stepwise:
+                steps = [model(input_ids=answer[:, t:t + 1], past_key_values=cache, use_cache=True,
+                               logits_to_keep=1).logits[:, -1:] for t in range(m - 1)]
+            else:
                 steps = [model(input_ids=answer[:, :-1], past_key_values=cache, use_cache=True,
                                logits_to_keep=m - 1).logits]
     return _logprobs(torch.cat([logits] + [x.float() for x in steps], dim=1), answer)

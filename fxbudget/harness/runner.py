@@ -359,13 +359,13 @@ class Runner:
                 "output_ids": ids, "output_tokens": len(ids), "kv_bytes": _kv_bytes(cache), "peak_mem_bytes": None}
 
     # --- answer likelihood (issue 13): scored on a copy of the cache right after the prefill ---------------------
-    def _likelihood(self, cache, last_logits, answer, *, evict: bool = False) -> dict:
+    def _likelihood(self, cache, last_logits, answer, *, evict: bool = False, stepwise: bool = False) -> dict:
         """Row fields of the teacher-forced answer log-likelihood from the state after the whole prompt
         (`likelihood.py`); None when switched off."""
         if answer is None:
             return {"answer_logprob": None, "answer_logprob_mean": None, "likelihood_s": None, "compile_s": 0.0}
         with _Clock() as clock:
-            lp = answer_logprobs(self.model, cache, last_logits, answer, evict=evict)
+            lp = answer_logprobs(self.model, cache, last_logits, answer, evict=evict, stepwise=stepwise)
         self._timed(clock)
         return {"answer_logprob": float(lp.sum()), "answer_logprob_mean": float(lp.mean()),
                 "likelihood_s": clock.run, "compile_s": clock.compile}
@@ -395,7 +395,9 @@ class Runner:
             with _Clock() as question_clock:  # the question, as the protocol appends it (part of decode_s)
                 logits = finish_prompt(model, cache, logits, question, protocol)
             peak = torch.cuda.max_memory_allocated() if cuda else None
-            likelihood = self._likelihood(cache, logits, answer, evict=protocol == "streaming")
+            # A compiled forward scores the answer token by token: its decode graph, no graph for the answer's length.
+            likelihood = self._likelihood(cache, logits, answer, evict=protocol == "streaming",
+                                          stepwise=g.backend is not None)
             if cuda:  # the likelihood's cache copy is not part of the configuration's memory: leave it out
                 torch.cuda.reset_peak_memory_stats()
             with _Clock() as dec:
