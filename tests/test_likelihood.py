@@ -83,11 +83,37 @@ def test_stepwise_equals_one_call(setup):
         with torch.no_grad():
             logits = model(input_ids=ctx, past_key_values=cache, logits_to_keep=1).logits[:, -1]
             logits = finish_prompt(model, cache, logits, question, "query-agnostic")
+        before = [[t.clone() for t in (layer.keys, layer.values, layer.pos, layer.state, layer.norms, layer.totals,
+                                       layer.seen)] for layer in cache.layers]
+        held = list(cache._held)
         one = answer_logprobs(model, cache, logits, answer)
         steps = answer_logprobs(model, cache, logits, answer, stepwise=True)
+        after = [[t for t in (layer.keys, layer.values, layer.pos, layer.state, layer.norms, layer.totals,
+                              layer.seen)] for layer in cache.layers]
     finally:
         model.forward.restore()
     torch.testing.assert_close(steps, one, atol=1e-5, rtol=0)
+    # scored on the cache itself, then put back bit for bit (a copy would recompile a compiled forward)
+    assert all(torch.equal(x, y) for xs, ys in zip(before, after) for x, y in zip(xs, ys)) and cache._held == held
+
+
+def test_compiled_likelihood_compiles_no_graph(setup):
+    """Under a compiled forward the answer is fed like decode steps (fresh [[id]] tensors, eviction frozen) on the
+    cache itself: the decode step's graph serves it, no recompile (a strided view or a copied cache would)."""
+    model, ctx, question, answer, _ = setup
+    fxbudget.compile(model, rule="snapkv", budget=16, backend="aot_eager", headroom=64)
+    try:
+        cache = model.forward.new_cache()
+        with torch.no_grad():
+            logits = model(input_ids=ctx, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+            logits = finish_prompt(model, cache, logits, question, "query-agnostic")
+            with cache.frozen():
+                model(input_ids=torch.tensor([[5]]), past_key_values=cache, logits_to_keep=1)  # a decode step
+            graphs = len(model.forward.graphs)
+            answer_logprobs(model, cache, logits, answer, stepwise=True)
+            assert len(model.forward.graphs) == graphs
+    finally:
+        model.forward.restore()
 
 
 def test_bad_input():

@@ -2,8 +2,9 @@
 
 Exact match moves in steps of 1/samples; the teacher-forced log-probability of the gold answer (`tasks.answer_ids`)
 moves continuously, so it separates rules with far fewer samples. It is scored from the state right after the whole
-prompt, the state greedy decoding starts from, on a **copy** of the cache: decoding afterwards is unchanged, and
-neither the prefill nor the question's forward is repeated. The prompt's end is reached as each protocol does
+prompt, the state greedy decoding starts from, and the cache is put back in that state afterwards (a `BudgetCache`
+in place: a copy would be a new object to a compiled forward and cost a recompile per row; any other cache is
+deep-copied): decoding afterwards is unchanged, and neither the prefill nor the question's forward is repeated. The prompt's end is reached as each protocol does
 (`finish_prompt`): query-agnostic appends the question with eviction frozen, streaming appends it with eviction,
 query-aware has prefilled it. Then the answer but its last token is appended:
 
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ..api import compile as fx_compile
+from ..cache import BudgetCache
 from ..rules import Rule, get
 from .branch import SharedPrefill, branch
 
@@ -48,6 +50,26 @@ def finish_prompt(model: nn.Module, cache, last_logits: Tensor, question: Tensor
         return model(input_ids=question, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
+_LAYER_STATE = ("keys", "values", "pos", "state", "norms", "totals", "seen")  # every tensor a call writes
+
+
+@contextlib.contextmanager
+def _scratch(cache):
+    """`cache` to run on, left as it was afterwards: a `BudgetCache` is restored in place, others are copied."""
+    if not isinstance(cache, BudgetCache):
+        yield copy.deepcopy(cache)
+        return
+    saved = [[getattr(layer, n).clone() for n in _LAYER_STATE] for layer in cache.layers]
+    held = list(cache._held)
+    try:
+        yield cache
+    finally:
+        for layer, tensors in zip(cache.layers, saved):
+            for n, t in zip(_LAYER_STATE, tensors):
+                getattr(layer, n).copy_(t)
+        cache._held = held
+
+
 def _logprobs(logits: Tensor, answer: Tensor) -> Tensor:
     """`[m]` float64 log-probabilities of `answer[0]` under `logits [1, m, vocab]`."""
     lp = torch.log_softmax(logits.float(), dim=-1)
@@ -60,7 +82,7 @@ def answer_logprobs(model: nn.Module, cache, last_logits: Tensor, answer: Tensor
 
     Args:
         model: the model the cache belongs to: fxbudget-compiled for a `BudgetCache`, unmodified otherwise.
-        cache: the cache after the whole prompt (`finish_prompt`); not modified (the forward runs on a deep copy).
+        cache: the cache after the whole prompt (`finish_prompt`); left in that state.
         last_logits: `[1, vocab]` logits of the prompt's last position (they score the first answer token).
         answer: `[1, m]` gold answer ids (`tasks.answer_ids`).
         evict: False: the answer goes in with eviction frozen (a `BudgetCache` needs the head-room); True
@@ -76,13 +98,13 @@ def answer_logprobs(model: nn.Module, cache, last_logits: Tensor, answer: Tensor
     logits = last_logits[:, None].float()
     if m == 1:
         return _logprobs(logits, answer)
-    cache = copy.deepcopy(cache)
-    with torch.no_grad():
+    with torch.no_grad(), _scratch(cache) as cache:
         frozen = cache.frozen if hasattr(cache, "frozen") and not evict else contextlib.nullcontext
         with frozen():
-            if evict or stepwise:
-                steps = [model(input_ids=answer[:, t:t + 1], past_key_values=cache, use_cache=True,
-                               logits_to_keep=1).logits[:, -1:] for t in range(m - 1)]
+            if evict or stepwise:  # fresh [[id]] tensors, as decoding feeds: a strided view would recompile
+                steps = [model(input_ids=torch.tensor([[int(answer[0, t])]], device=answer.device),
+                               past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:]
+                         for t in range(m - 1)]
             else:
                 steps = [model(input_ids=answer[:, :-1], past_key_values=cache, use_cache=True,
                                logits_to_keep=m - 1).logits]

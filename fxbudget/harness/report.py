@@ -299,11 +299,12 @@ def _by(rows, *keys) -> dict:
                                                      isinstance(kv[0], (int, float)) else str(kv[0]))))
 
 
-READING = ("- cells: mean [95% interval] (samples). Accuracy intervals are exact Clopper-Pearson where every score "
-           "of the cell is 0/1, else a percentile bootstrap over samples; log-likelihood cells are the mean log-prob "
-           "per gold-answer token minus the unmodified model's on the same sample (nats; 0 = no loss), bootstrap "
-           "interval. Paired comparisons: sign-flip permutation test on per-sample differences, Holm-adjusted; tier "
-           "1 = cannot be told apart from the best at this sample size. See README, \"How to read this report\".")
+READING = ("- cells: mean [95% interval] (samples). Accuracy: exact Clopper-Pearson where every score of the cell is "
+           "0/1, else a percentile bootstrap over samples. Log-likelihood: the mean log-prob per gold-answer token "
+           "minus the unmodified model's on the same sample (nats; 0 = no loss), interval by inverting the paired "
+           "sign-flip test (unbounded at <= 5 samples). Paired comparisons: sign-flip permutation test on "
+           "per-sample differences, Holm-adjusted over the comparisons with the best; tier 1 = cannot be told apart "
+           "from the best at this sample size. See README, \"How to read this report\".")
 
 
 def markdown(rows: list[dict], plots: list[str], sort: str = "accuracy") -> str:

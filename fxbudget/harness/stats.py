@@ -4,6 +4,8 @@
   tasks), else a **percentile bootstrap** over samples (multi-answer tasks score fractions; the likelihood metric is
   continuous). Clopper-Pearson is used where it applies because a bootstrap collapses to a point when all scores are
   equal (0/6 would read [0.00, 0.00]) and undercovers at a handful of samples; the exact interval keeps its 95%.
+  A mean of paired differences of a continuous metric (a rule's likelihood minus the reference's) gets the interval
+  of the paired test below instead (`mean_interval(..., paired=True)`).
 - Paired differences: every rule runs on the same samples, so rule A is compared with rule B on the per-sample
   differences `d = a - b`. The p-value is a two-sided **sign-flip permutation test** of `mean(d) = 0` (exact
   enumeration of the sign patterns of the non-zero differences up to `EXACT_MAX` of them, else a seeded Monte Carlo
