@@ -4,9 +4,10 @@ Exact match moves in steps of 1/samples; the teacher-forced log-probability of t
 moves continuously, so it separates rules with far fewer samples. It is scored from the state right after the whole
 prompt, the state greedy decoding starts from, and the cache is put back in that state afterwards (a `BudgetCache`
 in place: a copy would be a new object to a compiled forward and cost a recompile per row; any other cache is
-deep-copied): decoding afterwards is unchanged, and neither the prefill nor the question's forward is repeated. The prompt's end is reached as each protocol does
-(`finish_prompt`): query-agnostic appends the question with eviction frozen, streaming appends it with eviction,
-query-aware has prefilled it. Then the answer but its last token is appended:
+deep-copied): decoding afterwards is unchanged, and neither the prefill nor the question's forward is repeated.
+The prompt's end is reached as each protocol does (`finish_prompt`): query-agnostic appends the question with
+eviction frozen, streaming appends it with eviction, query-aware has prefilled it. Then the answer but its last token
+is appended:
 
 - eviction frozen, in one call (query-agnostic, query-aware; the unmodified model's own cache for the reference row;
   one token per call under a compiled forward, to reuse its decode graph);

@@ -398,7 +398,7 @@ class Runner:
             # A compiled forward scores the answer token by token: its decode graph, no graph for the answer's length.
             likelihood = self._likelihood(cache, logits, answer, evict=protocol == "streaming",
                                           stepwise=g.backend is not None)
-            if cuda:  # the likelihood's cache copy is not part of the configuration's memory: leave it out
+            if cuda:  # the likelihood's saved cache state is not part of the configuration's memory: leave it out
                 torch.cuda.reset_peak_memory_stats()
             with _Clock() as dec:
                 with cache.frozen() if protocol != "streaming" else contextlib.nullcontext():
