@@ -15,9 +15,9 @@ from .tasks import NEEDLE_TASKS
 
 
 def plot(rows: list[dict], out_dir: Path, sort: str = "accuracy") -> list[str]:
-    """`accuracy_vs_budget.png`, `likelihood_vs_budget.png` (when rows have the metric) and, for needle tasks,
-    `heatmap_<rule>.png`. Absolute and relative budgets (merged runs) get separate figures, the relative ones with
-    the suffix `_relative`. Returns the file names written."""
+    """`accuracy_vs_budget.png`, `likelihood_vs_budget.png` (when rows have the metric; a panel per setting and
+    task, all tasks pooled first) and, for needle tasks, `heatmap_<rule>.png`. Absolute and relative budgets (merged
+    runs) get separate figures, the relative ones with the suffix `_relative`. Returns the file names written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,18 +44,20 @@ def _x(label) -> float:
 
 
 def _metric_figure(rows, metric: str, path: Path, relative: bool, sort: str) -> str:
-    """Mean and 95% interval of `metric` per rule against the budget; rows of panels = settings, columns = tasks."""
+    """Mean and 95% interval of `metric` per rule against the budget; rows of panels = settings, columns = all
+    tasks pooled (when there are several: the most samples, so the tightest intervals) then each task."""
     import matplotlib.pyplot as plt
 
     refs = reference_logprobs(rows)
     delta = metric == "likelihood" and bool(refs)
     panels, tasks = settings(rows), sorted({r["task"] for r in rows})
+    tasks = (["all tasks"] if len(tasks) > 1 else []) + tasks
     fig, axes = plt.subplots(len(panels), len(tasks), figsize=(4.5 * len(tasks), 3.4 * len(panels)),
                              squeeze=False)
     rules = [r for r in rule_order(rows, sort) if r != REFERENCE]
     for row_axes, s in zip(axes, panels):
         for ax, task in zip(row_axes, tasks):
-            trs = [r for r in rows if setting(r) == s and r["task"] == task]
+            trs = [r for r in rows if setting(r) == s and task in ("all tasks", r["task"])]
             for rule in rule_order(trs, sort):
                 rs = [r for r in trs if r["rule"] == rule]
                 if rule == REFERENCE:
