@@ -87,6 +87,7 @@ def _child(side: str, n: int, a) -> dict:
     from transformers import DynamicCache
 
     import fxbudget
+    from fxbudget.cache_arg import cache_kwargs
     from fxbudget.models import load_default
 
     torch.set_num_threads(a.threads)
@@ -102,7 +103,7 @@ def _child(side: str, n: int, a) -> dict:
     def prefill(x):
         cache = model.forward.new_cache(1) if side != "full" else DynamicCache()
         with torch.no_grad():
-            return model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            return model(input_ids=x, use_cache=True, logits_to_keep=1, **cache_kwargs(model.forward, cache)).logits
 
     prefill(ids[:, :64])  # pages in every weight, first-call overheads (eager); a short graph for inductor
     compile_s = None

@@ -68,3 +68,15 @@ def llama():
 
 def fresh(model):
     return copy.deepcopy(model)
+
+
+@pytest.fixture(autouse=True)
+def _registry_restored():
+    """Rules a test registers stay in that test: the registry is process-wide, and with pytest-xdist a later test in
+    the same worker (e.g. cross_device's "every registered rule") would otherwise see them."""
+    from fxbudget.rules import _REGISTRY
+
+    before = dict(_REGISTRY)
+    yield
+    _REGISTRY.clear()
+    _REGISTRY.update(before)
