@@ -10,6 +10,9 @@ TORCH_VERSION ?= 2.13.0
 # CPU-only machine whose pip would otherwise fetch the CUDA build.
 TORCH_PIP_ARGS ?=
 export OMP_NUM_THREADS ?= 1
+# pytest-xdist workers; one test file stays on one worker (module fixtures are built once).
+TEST_WORKERS ?= 2
+PYTEST := -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: demo test test-newest install clean
 
@@ -28,7 +31,7 @@ demo: install
 	$(BIN)/python -m fxbudget.demo
 
 test: install
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python $(PYTEST)
 
 # Not pinned: the newest transformers the registry has, even past the package's range (pip then prints a conflict),
 # so a rename there is caught the day it ships. Passing here is what lets the range in pyproject.toml move up.
@@ -41,7 +44,7 @@ test-newest:
 	$(NEWEST_BIN)/python -m pip install -q --upgrade transformers
 	$(NEWEST_BIN)/python -c "import torch, transformers; print('test-newest: transformers', \
 		transformers.__version__, 'torch', torch.__version__)"
-	$(NEWEST_BIN)/python -m pytest -q -ra -m newest
+	$(NEWEST_BIN)/python $(PYTEST) -m newest
 
 clean:
 	rm -rf $(VENV) $(NEWEST_VENV) *.egg-info
