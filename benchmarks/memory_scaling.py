@@ -40,7 +40,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from _common import command_line, env_info, header_lines, interleaved, load_str, md_table, write_md  # noqa: E402
+from _common import (analysis_link, command_line, env_info, header_lines, interleaved, load_str, md_table,  # noqa: E402
+                     write_md)
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 
@@ -465,7 +466,7 @@ def main() -> int:
     clo, chi = (4096 if 4096 in c else min(c)), max(c)
     lines += ["", f"Ratios {chi}/{clo}: fxbudget decode {c[chi]['fxbudget_ms'] / c[clo]['fxbudget_ms']:.2f}, "
               f"full decode {c[chi]['full_ms'] / c[clo]['full_ms']:.2f}.", ""]
-    lines += ["<!-- analysis -->", ""]
+    lines += analysis_link("memory_scaling")
     write_md(a.out, lines)
     return 0
 

@@ -294,7 +294,7 @@ def main() -> int:
         sys.exit(f"peer venv missing ({args.peer_python}): run `bash benchmarks/peers/setup_kvpress.sh` first")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     sys.path.insert(0, str(ROOT))
-    from _common import command_line, env_info, header_lines, load_str, md_table, write_md  # noqa: E402
+    from _common import analysis_link, command_line, env_info, header_lines, load_str, md_table, write_md  # noqa: E402
 
     import torch
     from transformers import AutoTokenizer
@@ -448,7 +448,7 @@ def main() -> int:
                          f"{sum(o == 1.0 for o in ov)} | {len(ov)} |")
     lines += [""]
     lines += timing_section()
-    lines += ["<!-- analysis -->", ""]
+    lines += analysis_link("vs_kvpress")
     write_md(args.out, lines)
     return 0
 
