@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import logging
-import types
 import warnings
 
 import torch
@@ -19,6 +17,7 @@ from .backend import INNER_BACKENDS, NoBudgetAttentionError, kernel_window, make
 from .cache import BudgetCache, _layer_shapes
 from .eager import BudgetAttentionMode
 from .passes.sdpa import REGION_KEY
+from .regions import compiled_forward
 from .rules import Rule, get
 
 log = logging.getLogger("fxbudget")
@@ -94,28 +93,6 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
     return model
 
 
-def _entry(forward, kwargs):
-    return forward(**kwargs)
-
-
-_ENTRIES = itertools.count()
-
-
-def _compiled_forward(forward, backend):
-    """`torch.compile` of `forward(**kwargs)` through an entry function with its own code object.
-
-    Dynamo keeps compiled graphs per code object. Compiling the model's forward itself would pile every rule,
-    budget and shape of every `fxbudget.compile` call onto one code object and hit the recompile limit; a fresh
-    entry per call gives each its own cache, freed with it.
-    """
-    cfg = torch._dynamo.config
-    cfg.fail_on_recompile_limit_hit = True  # never fall back to eager silently
-    code = _entry.__code__.replace(co_name=f"fxbudget_forward_{next(_ENTRIES)}")
-    entry = torch.compile(types.FunctionType(code, _entry.__globals__), backend=backend, fullgraph=True,
-                          dynamic=False)
-    return lambda **kwargs: entry(forward, kwargs)
-
-
 def _layer_budgets(rule: Rule, budget: int, config) -> list[int] | None:
     """The rule's per-layer budgets for this model's full-attention layers (None = uniform)."""
     return rule.layer_budgets(budget, _layer_shapes(config)[4].count("full_attention"))
@@ -156,8 +133,8 @@ class BudgetForward:
         if backend is None:
             self._run = self._run_eager
         else:
-            self._run = _compiled_forward(
-                self.original, make_backend(rule, inner=backend, on_graph=self.graphs.append))
+            self._run = compiled_forward(model, self.original,
+                                         make_backend(rule, inner=backend, on_graph=self.graphs.append))
 
     def _run_eager(self, *args, **kwargs):
         with BudgetAttentionMode(self.rule, self.window, self._sliding_rule) as mode:
@@ -290,7 +267,7 @@ def _captured_graphs(model, input_ids, rule, budget, cache, rule_params) -> list
     if cache is None:
         cache = model_cache(model, backend.rule, budget, input_ids.shape[0])
     with torch.no_grad(), _maskless_attention(model):
-        _compiled_forward(fwd, backend)(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        compiled_forward(model, fwd, backend)(input_ids=input_ids, past_key_values=cache, use_cache=True)
     return graphs
 
 
@@ -352,8 +329,13 @@ def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor, *, rule: str |
                        budget: int = 1024, cache: BudgetCache | None = None, **rule_params) -> str:
     """Hash of the rewritten graph with the rule's ops abstracted: equal for every rule means one shared kernel.
 
-    Sizes are not part of it (see `graph_fingerprint`), so rules with per-layer budgets compare too.
+    Sizes are not part of it (see `graph_fingerprint`), so rules with per-layer budgets compare too: with per-layer
+    compiled regions, each distinct graph counts once (pyramidkv's budgets give one region per layer, of one kernel).
     Args and model handling as for `inspect`. Returns a hex sha256 string.
     """
     _check_int("budget", budget)
-    return graph_fingerprint(_captured_graphs(model, input_ids, rule, budget, cache, rule_params))
+    graphs = _captured_graphs(model, input_ids, rule, budget, cache, rule_params)
+    distinct: dict[str, fx.GraphModule] = {}
+    for gm in graphs:
+        distinct.setdefault(graph_fingerprint([gm]), gm)
+    return graph_fingerprint(list(distinct.values()))

@@ -21,22 +21,24 @@ from .kernel import TOTALED
 @torch.library.custom_op("fxbudget::candidates", mutates_args=())
 def candidates(
     k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, layer: int, budget: int, keep: int, sliding: int,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, budget: int, keep: int, sliding: int,
 ) -> tuple[Tensor, Tensor]:
-    """Marker: the candidate keys/values (slots then new tokens), as a plain cache would hand them to SDPA."""
+    """Marker: the candidate keys/values (slots then new tokens), as a plain cache would hand them to SDPA.
+
+    It carries no layer index: structurally identical layers then trace to identical graphs, so a decoder layer
+    compiled once serves all of them (`fxbudget.regions`)."""
     return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
 
 
 @candidates.register_fake
-def _(k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq, layer, budget, keep,
-      sliding):
+def _(k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq, budget, keep, sliding):
     return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
 
 
 # Positional argument names of the marker, shared by the pass and the eager interceptor.
 MARKER_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms", "totals", "k_new", "v_new", "new_pos",
                   "inv_freq")
-MARKER_STATICS = ("layer", "budget", "keep", "sliding")
+MARKER_STATICS = ("budget", "keep", "sliding")
 
 
 @dataclass
@@ -89,7 +91,7 @@ class BudgetLayer(CacheLayerMixin):
         self.seen.add_(n)
         tensors = (self.keys, self.values, self.pos, self.state, self.norms, self.totals, key_states, value_states,
                    new_pos, self.inv_freq)
-        k, v = torch.ops.fxbudget.candidates(*tensors, self.layer, self.budget, self.keep, self.sliding)
+        k, v = torch.ops.fxbudget.candidates(*tensors, self.budget, self.keep, self.sliding)
         if not torch.compiler.is_compiling():
             from .eager import require_interceptor  # eager: the interceptor must be active, or SDPA would be wrong
 

@@ -282,3 +282,28 @@ def forward(self, L_forward_self_modules_emb_parameters_weight_ : torch.nn.param
     reshape = transpose_3.reshape(1, 3, 8);  transpose_3 = None
     linear_3 = torch._C._nn.linear(reshape, l_forward_self_modules_out_parameters_weight_, None);  reshape = l_forward_self_modules_out_parameters_weight_ = None
     return (linear_3,)""")
+
+
+def _kernels(gm) -> int:
+    """Budget kernels spliced into a graph: each writes keys and values back with one index_put_ apiece."""
+    return sum(n.target is torch.ops.aten.index_put_.default for n in gm.graph.nodes) // 2
+
+
+@pytest.mark.parametrize("arch, rule, regions", [
+    ("qwen2", "snapkv", 1),       # 4 identical layers: one region
+    ("gemma3", "h2o", 2),         # sliding and full layers: one region each
+    ("qwen2", "pyramidkv", 4),    # 4 per-layer budgets: one region per budget
+])
+def test_decoder_layers_share_compiled_regions(arch, rule, regions):
+    from conftest import greedy
+
+    model = tiny_model(arch, layers=3 if arch == "gemma3" else 4)
+    m = fxbudget.compile(model, rule=rule, budget=8, backend="aot_eager", chunk_size=6,
+                         **({"window": 4} if rule == "pyramidkv" else {}))
+    with torch.no_grad():
+        greedy(m, torch.randint(0, 96, (1, 12)), 3)
+    graphs = m.forward.graphs
+    # One graph per region and input shape (prefill chunk, decode), each holding one layer's kernel: the layer
+    # index never reaches a graph, so Dynamo reuses the region's graph for every layer of its configuration.
+    assert len(graphs) == 2 * regions
+    assert [_kernels(gm) for gm in graphs] == [1] * len(graphs)

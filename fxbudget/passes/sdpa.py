@@ -35,7 +35,7 @@ _VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.unsqueeze, torch.repea
 
 @dataclass
 class RewriteReport:
-    rewritten: list[int] = field(default_factory=list)  # layer index of each rewritten SDPA node
+    rewritten: list[str] = field(default_factory=list)  # the rewritten SDPA nodes
     untouched: list[str] = field(default_factory=list)  # SDPA nodes not fed by a BudgetCache (cross-attention, ...)
 
 
@@ -143,7 +143,7 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule) -> 
         if args.get("dropout_p", 0.0):
             raise RuntimeError("fxbudget: SDPA with dropout (training mode?) cannot use a budget cache; call .eval()")
         graph_in = {**dict(zip(MARKER_TENSORS, marker.args)), "q": args["query"]}
-        layer, budget, keep, sliding = marker.args[len(MARKER_TENSORS):]
+        budget, keep, sliding = marker.args[len(MARKER_TENSORS):]
         ev = {name: _example(n) for name, n in graph_in.items()}
         key = (tuple((k, tuple(v.shape), tuple(v.stride()), v.dtype, v.device) for k, v in ev.items()),
                budget, keep, sliding, args.get("scale"))
@@ -158,9 +158,9 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule) -> 
         sig = dict(zip(SIGNAL_NAMES, signals))
         _splice(gm, kt.evict, [score, *[sig[a] for a in _EVICT_SIGNALS], totals, *[graph_in[a] for a in _EVICT_ARGS]],
                 node, "evict")
+        report.rewritten.append(node.name)
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
-        report.rewritten.append(layer)
 
     gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
     gm.recompile()
