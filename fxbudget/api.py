@@ -61,7 +61,8 @@ def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: in
 
 
 def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *, chunk_size: int | None = None,
-            backend: str | None = "inductor", headroom: int = 0, **rule_params) -> nn.Module:
+            backend: str | None = "inductor", headroom: int = 0, cudagraphs: bool = False,
+            **rule_params) -> nn.Module:
     """Run `model` with a KV cache of at most `budget` entries per layer and KV head, evicting with `rule`.
 
     The model is modified in place (its `forward` is wrapped) and returned; `model.forward.restore()` undoes it.
@@ -76,6 +77,8 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
         backend: "inductor" (default), "aot_eager" or "eager" (Dynamo backends, same semantics), or None to run the
             kernel eagerly without torch.compile (the reference path).
         headroom: extra slots for caches created automatically (see `BudgetCache.frozen`).
+        cudagraphs: with backend "inductor" on CUDA, replay the compiled graphs as CUDA graphs (mark the cache tensors
+            with `torch._dynamo.mark_static_address`, or Inductor skips CUDA graphs for graphs that write them).
         **rule_params: hyperparameters of a named rule, e.g. `window=64` for snapkv.
 
     Returns:
@@ -88,9 +91,8 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
             and not BudgetCache(model.config, 1).has_rope:
         raise ValueError(f"rule {rule_obj.name!r} needs the model's RoPE frequencies, and this model does not use "
                          "default RoPE on its full-attention layers")
-    model.forward = BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend,
-                                  headroom=headroom)
-    return model
+    return BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend, headroom=headroom,
+                         cudagraphs=cudagraphs).install()
 
 
 def _layer_budgets(rule: Rule, budget: int, config) -> list[int] | None:
@@ -112,11 +114,28 @@ class BudgetForward:
     """The wrapped forward of a model compiled by fxbudget (installed as `model.forward`)."""
 
     def __init__(self, model: nn.Module, rule: Rule, budget: int, *, chunk_size: int | None,
-                 backend: str | None, headroom: int):
+                 backend: str | None, headroom: int, cudagraphs: bool = False):
+        """Build the forward of `model` (not yet installed: see `install`); the compiled graphs live here, so a
+        forward installed, restored and installed again keeps them."""
         self.model, self.rule, self.budget = model, rule, budget
         self.chunk_size, self.backend, self.headroom = chunk_size, backend, headroom
         self.window = kernel_window(rule)
         self.original = model.forward
+        self.graphs: list[fx.GraphModule] = []  # rewritten graphs compiled so far (one per region and input shape)
+        self._verified = False
+        self._checked_cache: BudgetCache | None = None
+        self._sliding_rule = get("window")  # the rule of sliding-window layers (eager path)
+        if backend is None:
+            self._run = self._run_eager
+        else:
+            self._run = compiled_forward(model, self.original, make_backend(
+                rule, inner=backend, on_graph=self.graphs.append, cudagraphs=cudagraphs))
+
+    def install(self) -> nn.Module:
+        """Make this the model's forward (and its attention fxbudget's maskless SDPA); returns the model."""
+        model = self.model
+        if isinstance(model.forward, BudgetForward):
+            raise ValueError("this model is already compiled by fxbudget; call model.forward.restore() first")
         self._instance_forward = vars(model).get("forward")  # usually None: forward comes from the class
         config = getattr(model, "config", None)
         self._attn_implementation = getattr(config, "_attn_implementation", None)
@@ -126,15 +145,8 @@ class BudgetForward:
         self._disable_compile = getattr(gen_cfg, "disable_compile", None)
         if gen_cfg is not None:
             gen_cfg.disable_compile = True  # generate() must not compile the forward again with its own settings
-        self.graphs: list[fx.GraphModule] = []  # rewritten graphs compiled so far (one per input shape)
-        self._verified = False
-        self._checked_cache: BudgetCache | None = None
-        self._sliding_rule = get("window")  # the rule of sliding-window layers (eager path)
-        if backend is None:
-            self._run = self._run_eager
-        else:
-            self._run = compiled_forward(model, self.original,
-                                         make_backend(rule, inner=backend, on_graph=self.graphs.append))
+        model.forward = self
+        return model
 
     def _run_eager(self, *args, **kwargs):
         with BudgetAttentionMode(self.rule, self.window, self._sliding_rule) as mode:
@@ -155,6 +167,7 @@ class BudgetForward:
             self.model.generation_config.disable_compile = self._disable_compile
         if self._attn_implementation is not None:
             self.model.set_attn_implementation(self._attn_implementation)
+        self._checked_cache = None  # do not hold the last cache while not installed
         return self.model
 
     def new_cache(self, batch_size: int = 1, *, headroom: int | None = None) -> BudgetCache:

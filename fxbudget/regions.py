@@ -39,8 +39,12 @@ def _fresh(fn: Callable, name: str) -> Callable:
 
 
 def _compile(fn: Callable, backend) -> Callable:
-    torch._dynamo.config.fail_on_recompile_limit_hit = True  # never fall back to eager silently
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+
+
+def _strict():
+    """Past the recompile limit: an error, never a silent eager fallback (for fxbudget's own calls only)."""
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
 
 
 def _entry(forward, kwargs):
@@ -50,7 +54,12 @@ def _entry(forward, kwargs):
 def whole_model_forward(forward: Callable, backend) -> Callable[..., Any]:
     """`torch.compile` of `forward(**kwargs)` as one graph, through an entry function with its own code object."""
     entry = _compile(_fresh(_entry, "fxbudget_forward"), backend)
-    return lambda **kwargs: entry(forward, kwargs)
+
+    def run(**kwargs):
+        with _strict():
+            return entry(forward, kwargs)
+
+    return run
 
 
 class LayerCacheView:
@@ -137,7 +146,7 @@ def compiled_forward(model: nn.Module, forward: Callable, backend) -> Callable[.
     compiled = CompiledLayers(layers, backend)
 
     def run(**kwargs):
-        with compiled.installed():
+        with compiled.installed(), _strict():
             return forward(**kwargs)
 
     run.layers = compiled

@@ -8,8 +8,12 @@ Protocols (DESIGN §6), a column of every row and never mixed:
 
 The rule `full` is the reference row: the unmodified model with transformers' own cache, no fxbudget in the path.
 
-When the prefill is one call (no chunking) on the eager kernel, it is computed once per sample and the cache is
-branched per rule and budget (`fxbudget.harness.branch`, bit-identical to separate runs, tested).
+When the prefill is one call (no chunking), it is computed once per sample on the eager kernel and the cache is
+branched per rule and budget (`fxbudget.harness.branch`, bit-identical to separate runs, tested); with a compiled
+`backend` only the calls after it (question, answer) run compiled.
+
+Compiled forwards are built once per (rule, budget) and reused for every sample of the run: the head-room is the
+run's largest, so every sample's cache has the same shapes and its calls reuse the same graphs.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import torch
 import transformers
 from torch import nn
 
+from ..api import BudgetForward, kernel_fingerprint
 from ..api import compile as fx_compile
-from ..api import kernel_fingerprint
 from ..backend import INNER_BACKENDS, kernel_window
 from ..rules import get
 from .branch import branch, shared_prefill
@@ -81,8 +85,8 @@ class Grid:
 
     @property
     def shares_prefill(self) -> bool:
-        """Whether rules share one prefill per sample: it must be a single call on the eager kernel."""
-        return self.share_prefill and self.chunk_size is None and self.backend is None
+        """Whether rules share one prefill per sample (on the eager kernel): it must be a single call."""
+        return self.share_prefill and self.chunk_size is None
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,8 @@ class Runner:
         self.eos = _eos_ids(model, tokenizer)
         self._fingerprints: dict[str, str] = {}
         self._samples: dict = {}
+        self._forwards: dict[tuple, BudgetForward] = {}  # (rule, params, budget) -> forward, reused across samples
+        self.headroom = 0  # the run's head-room (set by run()): the same cache shapes for every sample
         self.compile_s = self.run_s = 0.0
 
     def done_keys(self) -> set[str]:
@@ -229,6 +235,7 @@ class Runner:
         (self.out_dir / "run.json").write_text(json.dumps(
             {"model": self.model_name, "grid": asdict(self.grid), "shard": list(self.shard), **self.env}, indent=1))
         plan = self.plan()
+        self.headroom = self._headroom(plan)
         bar = tqdm(total=sum(len(todo) for _, todo in plan), unit="row", disable=not self.progress,
                    dynamic_ncols=True)
         rows = []
@@ -244,6 +251,30 @@ class Runner:
         finally:
             bar.close()
         return rows
+
+    def _headroom(self, plan) -> int:
+        """Slots for the tokens appended with eviction frozen, the largest over the plan's samples, rounded up."""
+        most = 0
+        for unit, _ in plan:
+            sample = _load_sample(self.grid, unit, self.tok, self._samples)
+            question = chat_ids(self.tok, sample)[1].shape[1]
+            max_new = self.max_new or sample.max_new_tokens
+            frozen = {"query-agnostic": question + max_new, "query-aware": max_new, "streaming": 0}
+            most = max(most, frozen[self.grid.protocol])
+        return math.ceil(most / 64) * 64
+
+    def _forward(self, rule, budget: int) -> BudgetForward:
+        """The model with `rule` and `budget` installed; built (and compiled, lazily) once per run."""
+        g = self.grid
+        key = (rule.name, json.dumps(rule.params(), sort_keys=True, default=str), budget)
+        forward = self._forwards.get(key)
+        if forward is None:
+            fx_compile(self.model, rule=rule, budget=budget, chunk_size=g.chunk_size, backend=g.backend,
+                       headroom=self.headroom)
+            forward = self._forwards[key] = self.model.forward
+        else:
+            forward.install()
+        return forward
 
     def _fingerprint(self, rule) -> str:
         """The kernel fingerprint of the rewritten graph (rule ops masked out): one per rule per run."""
@@ -302,10 +333,7 @@ class Runner:
         g, model = self.grid, self.model
         rule = get(rule_name, **g.rule_params.get(rule_name, {}))
         fingerprint = self._fingerprint(rule)
-        frozen_tokens = {"query-agnostic": question.shape[1] + max_new, "query-aware": max_new, "streaming": 0}
-        # Head-room rounded up, so samples with different question lengths share compiled shapes.
-        headroom = math.ceil(frozen_tokens[g.protocol] / 64) * 64
-        fx_compile(model, rule=rule, budget=budget, chunk_size=g.chunk_size, backend=g.backend, headroom=headroom)
+        forward = self._forward(rule, budget)
         cuda = prefill_ids.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -333,7 +361,8 @@ class Runner:
         self._timed(pre), self._timed(dec)
         return {"rule": rule_name, "rule_params": rule.params(), "budget": budget, "window": kernel_window(rule),
                 "layer_budgets": cache.layer_budgets if len(set(cache.layer_budgets)) > 1 else None,
-                "headroom": headroom, "kernel_fingerprint": fingerprint, "shared_prefill": shared is not None,
+                "headroom": self.headroom, "kernel_fingerprint": fingerprint,
+                "compiled_graphs": len(forward.graphs) if g.backend else None, "shared_prefill": shared is not None,
                 # With a shared prefill, prefill_s is what a separate run would take: the shared forward + the branch.
                 "prefill_s": pre.run + (shared_s or 0.0), "branch_s": pre.run if shared is not None else None,
                 "decode_s": dec.run, "compile_s": pre.compile + dec.compile, "output_ids": ids,
