@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import logging
 import warnings
+from typing import Any, Callable
 
 import torch
 from torch import fx, nn
@@ -95,6 +96,24 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
                          cudagraphs=cudagraphs).install()
 
 
+def frozen_runner(model: nn.Module, backend: str, window: int, *, cudagraphs: bool = False,
+                  on_graph: Callable[[fx.GraphModule], None] | None = None) -> Callable[..., Any]:
+    """A compiled runner of `model` for frozen calls, to share between forwards (`BudgetForward.share_frozen`).
+
+    Args:
+        model: the model (not compiled by fxbudget at the time of the call, or its original forward is used).
+        backend: "inductor", "aot_eager" or "eager". window: the observation window of the forwards that share it
+            (the signal totals stored in the cache depend on it). cudagraphs: as for `compile`.
+        on_graph: called with each rewritten graph it compiles.
+    Returns:
+        A callable with the signature of `BudgetForward._run`. Its graphs carry the `window` rule's scoring ops: in a
+        frozen call no score decides anything (see `share_frozen`).
+    """
+    forward = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
+    return compiled_forward(model, forward, make_backend("window", inner=backend, on_graph=on_graph,
+                                                         cudagraphs=cudagraphs, window=window))
+
+
 def _layer_budgets(rule: Rule, budget: int, config) -> list[int] | None:
     """The rule's per-layer budgets for this model's full-attention layers (None = uniform)."""
     return rule.layer_budgets(budget, _layer_shapes(config)[4].count("full_attention"))
@@ -147,6 +166,26 @@ class BudgetForward:
             gen_cfg.disable_compile = True  # generate() must not compile the forward again with its own settings
         model.forward = self
         return model
+
+    def share_frozen(self, runner: Callable[..., Any]) -> None:
+        """Run this forward's frozen calls (`BudgetCache.frozen`) with `runner` (from `frozen_runner`), shared with
+        other rules' forwards of the same model and observation window.
+
+        A frozen call evicts nothing the rule chooses: `admit` guarantees an empty slot for every new token, empty
+        slots score -inf and rank below every token, so the candidates dropped are the lowest-index empty slots
+        whatever the scores; attention, signals and the state written do not depend on the rule either. Every rule's
+        frozen call therefore computes the same thing, and one compiled graph per shape serves them all (a comparison
+        compiles its question and decode graphs once per budget, not once per rule and budget).
+        """
+        if self.backend is None:
+            raise ValueError("share_frozen() is for compiled forwards (backend is None)")
+        own = self._run
+
+        def run(**kwargs):
+            frozen = any(isinstance(v, BudgetCache) and v._frozen for v in kwargs.values())
+            return (runner if frozen else own)(**kwargs)
+
+        self._run = run
 
     def _run_eager(self, *args, **kwargs):
         with BudgetAttentionMode(self.rule, self.window, self._sliding_rule) as mode:

@@ -25,7 +25,7 @@ def kernel_window(rule: Rule) -> int:
 
 def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
                  on_graph: Callable[[fx.GraphModule], None] | None = None, cudagraphs: bool = False,
-                 **rule_params):
+                 window: int | None = None, **rule_params):
     """A Dynamo backend that rewrites SDPA for `rule` and compiles with `inner`.
 
     Args:
@@ -35,6 +35,7 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
             does for the plain inductor backend; `mode=` cannot be combined with a custom backend). The cache tensors
             are mutated in place, so mark them with `torch._dynamo.mark_static_address` first, or Inductor skips
             CUDA graphs for the graph.
+        window: the kernel's observation window (default: the rule's, `kernel_window(rule)`).
         **rule_params: hyperparameters for a named rule.
     Returns:
         A callable `(gm, example_inputs, **kwargs) -> compiled forward` for `torch.compile(backend=...)`.
@@ -42,7 +43,7 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
     if inner not in INNER_BACKENDS:
         raise ValueError(f"backend must be one of {INNER_BACKENDS}, got {inner!r}")
     rule = get(rule, **rule_params)
-    window = kernel_window(rule)
+    window = kernel_window(rule) if window is None else window
     sliding_rule = get("window")
 
     def fxbudget_backend(gm: fx.GraphModule, example_inputs, **kwargs):

@@ -82,6 +82,33 @@ def test_frozen_headroom_appends_without_eviction():
     assert cache.get_seq_length().item() == 26  # the refused call did not run
 
 
+def test_frozen_calls_share_one_compiled_runner_across_rules():
+    # A frozen call evicts nothing the rule chooses, so one compiled runner serves every rule's frozen calls
+    # (BudgetForward.share_frozen): each rule, after evicting with its own kernel, must still match its eager run.
+    model = tiny_model("qwen2")
+    torch.manual_seed(3)
+    ids, question = torch.randint(0, 96, (1, 24)), torch.randint(0, 96, (1, 5))
+    graphs, shared = [], None
+    for rule in ("snapkv", "h2o", "knorm"):
+        runs = {}
+        for backend in (None, "aot_eager"):
+            m = fxbudget.compile(model, rule=rule, budget=8, backend=backend, headroom=8)
+            if backend is not None:
+                shared = shared or fxbudget.frozen_runner(m, backend, m.forward.window, on_graph=graphs.append)
+                m.forward.share_frozen(shared)
+            cache = m.forward.new_cache()
+            with torch.no_grad():
+                m(input_ids=ids, past_key_values=cache)  # evicts down to 8 with the rule's own kernel
+                with cache.frozen():
+                    logits, _ = greedy(m, question, 3, cache=cache)
+            m.forward.restore()
+            runs[backend] = logits, [cache.positions(i) for i in range(len(cache.layers))]
+        (ref_logits, ref_pos), (logits, pos) = runs[None], runs["aot_eager"]
+        assert (logits - ref_logits).abs().max().item() <= 1e-4
+        assert all(torch.equal(a, b) for a, b in zip(pos, ref_pos)), rule
+    assert len(graphs) == 2  # the frozen question and decode graphs, compiled once for the three rules
+
+
 def test_full_rule_refuses_to_evict():
     model = tiny_model("llama")
     m = fxbudget.compile(fresh(model), rule="full", budget=16, backend=None)

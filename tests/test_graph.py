@@ -307,3 +307,20 @@ def test_decoder_layers_share_compiled_regions(arch, rule, regions):
     # index never reaches a graph, so Dynamo reuses the region's graph for every layer of its configuration.
     assert len(graphs) == 2 * regions
     assert [_kernels(gm) for gm in graphs] == [1] * len(graphs)
+
+
+@pytest.mark.inductor
+def test_torch_compile_with_the_registered_backend():
+    # The whole-model path: `torch.compile(model, backend="fxbudget")` traces every layer into one graph.
+    from conftest import fresh
+
+    model = tiny_model("llama", layers=2)
+    ids = torch.randint(0, 96, (1, 10))
+    ref = fxbudget.compile(fresh(model), rule="snapkv", budget=6, backend=None)
+    ref_cache, cache = ref.forward.new_cache(), fxbudget.BudgetCache(model.config, 6)
+    compiled = torch.compile(model, backend="fxbudget", fullgraph=True)
+    with torch.no_grad():
+        expected = ref(input_ids=ids, past_key_values=ref_cache).logits
+        got = compiled(input_ids=ids, past_key_values=cache, use_cache=True).logits
+    assert (got - expected).abs().max().item() <= 1e-4
+    assert all(torch.equal(cache.positions(i), ref_cache.positions(i)) for i in range(2))

@@ -13,7 +13,10 @@ branched per rule and budget (`fxbudget.harness.branch`, bit-identical to separa
 `backend` only the calls after it (question, answer) run compiled.
 
 Compiled forwards are built once per (rule, budget) and reused for every sample of the run: the head-room is the
-run's largest, so every sample's cache has the same shapes and its calls reuse the same graphs.
+run's largest, so every sample's cache has the same shapes and its calls reuse the same graphs. Frozen calls (the
+question and answer of query-agnostic, the answer of query-aware) do not depend on the rule
+(`BudgetForward.share_frozen`): one compiled runner per observation window and budget serves every rule, so their
+graphs are compiled once per budget.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 import transformers
 from torch import nn
 
-from ..api import BudgetForward, kernel_fingerprint
+from ..api import BudgetForward, _layer_budgets, frozen_runner, kernel_fingerprint
 from ..api import compile as fx_compile
 from ..backend import INNER_BACKENDS, kernel_window
 from ..rules import get
@@ -207,6 +210,8 @@ class Runner:
         self._fingerprints: dict[str, str] = {}
         self._samples: dict = {}
         self._forwards: dict[tuple, BudgetForward] = {}  # (rule, params, budget) -> forward, reused across samples
+        # (window, per-layer budgets, budget) -> compiled runner of frozen calls for every rule, and its graphs
+        self._frozen: dict[tuple, tuple[object, list]] = {}
         self.headroom = 0  # the run's head-room (set by run()): the same cache shapes for every sample
         self.compile_s = self.run_s = 0.0
 
@@ -272,9 +277,21 @@ class Runner:
             fx_compile(self.model, rule=rule, budget=budget, chunk_size=g.chunk_size, backend=g.backend,
                        headroom=self.headroom)
             forward = self._forwards[key] = self.model.forward
+            if g.backend is not None:
+                forward.share_frozen(self._frozen_for(forward)[0])
         else:
             forward.install()
         return forward
+
+    def _frozen_for(self, forward: BudgetForward) -> tuple[object, list]:
+        """The compiled runner of frozen calls shared by forwards of one window and budget schedule, and its graphs."""
+        key = (forward.window, tuple(_layer_budgets(forward.rule, forward.budget, self.model.config) or ()),
+               forward.budget)
+        if key not in self._frozen:
+            graphs: list = []
+            self._frozen[key] = frozen_runner(self.model, self.grid.backend, forward.window,
+                                              on_graph=graphs.append), graphs
+        return self._frozen[key]
 
     def _fingerprint(self, rule) -> str:
         """The kernel fingerprint of the rewritten graph (rule ops masked out): one per rule per run."""
@@ -362,7 +379,9 @@ class Runner:
         return {"rule": rule_name, "rule_params": rule.params(), "budget": budget, "window": kernel_window(rule),
                 "layer_budgets": cache.layer_budgets if len(set(cache.layer_budgets)) > 1 else None,
                 "headroom": self.headroom, "kernel_fingerprint": fingerprint,
-                "compiled_graphs": len(forward.graphs) if g.backend else None, "shared_prefill": shared is not None,
+                # Graphs this rule and budget used so far: its own, and the frozen calls' (shared with other rules).
+                "compiled_graphs": len(forward.graphs) + len(self._frozen_for(forward)[1]) if g.backend else None,
+                "shared_prefill": shared is not None,
                 # With a shared prefill, prefill_s is what a separate run would take: the shared forward + the branch.
                 "prefill_s": pre.run + (shared_s or 0.0), "branch_s": pre.run if shared is not None else None,
                 "decode_s": dec.run, "compile_s": pre.compile + dec.compile, "output_ids": ids,
