@@ -8,7 +8,10 @@ Generic on purpose (no fxbudget imports at module level), so every benchmark scr
 `_common` from them (their own directory is on `sys.path`). Other callers can `sys.path.insert(0, "benchmarks")`.
 
 Stable API (do not rename): setup_threads, tune_malloc, emit, env_info, header_lines, command_line, load_str, sync, timed,
-interleaved, median, median_us, md_table, write_md, ROOT.
+interleaved, median, median_us, quartiles, paired_ratio, verdict, fmt_ratio, analysis_link, md_table, write_md, ROOT.
+
+Generated reports hold only what their script computed; analysis lives beside them in a hand-written
+`<name>.analysis.md` (`analysis_link`), which quotes only numbers from the generated file.
 """
 
 from __future__ import annotations
@@ -185,6 +188,40 @@ def median(xs: Iterable[float]) -> float:
 def median_us(xs: Iterable[float]) -> float:
     """Median of seconds, in microseconds."""
     return 1e6 * statistics.median(list(xs))
+
+
+def quartiles(xs: Iterable[float]) -> tuple[float, float, float]:
+    """(25th percentile, median, 75th percentile) of `xs` (the interquartile range is the first to the last)."""
+    xs = sorted(xs)
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
+    """Quartiles of the per-round ratios a[i] / b[i] of two interleaved series (`interleaved` keeps rounds aligned):
+    the ratio's own spread, machine drift between rounds cancelling out."""
+    return quartiles([x / y for x, y in zip(a, b)])
+
+
+def verdict(ratio: tuple[float, float, float], goal: float) -> str:
+    """'within noise' when 1.0 lies inside the ratio's interquartile range; else whether the median meets `goal`
+    (a ratio that should stay <= goal)."""
+    lo, mid, hi = ratio
+    if lo <= 1.0 <= hi:
+        return "within noise"
+    return "met" if mid <= goal else "NOT met"
+
+
+def fmt_ratio(ratio: tuple[float, float, float]) -> str:
+    """'1.023 [0.998-1.051]': median and interquartile range."""
+    return f"{ratio[1]:.3f} [{ratio[0]:.3f}-{ratio[2]:.3f}]"
+
+
+def analysis_link(name: str) -> list[str]:
+    """Markdown lines pointing to the hand-written analysis beside a generated report (never written by a script)."""
+    return ["", f"Analysis (hand-written, quotes this file's numbers): [{name}.analysis.md]({name}.analysis.md)."]
 
 
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:

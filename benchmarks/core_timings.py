@@ -1,13 +1,16 @@
-"""Core timings: compile cost on the embedded model, decode step eager vs compiled, budget attention vs plain SDPA.
+"""Core timings on the embedded model: compile cost cold and warm, and a decode step against transformers' own cache.
 
-    OMP_NUM_THREADS=1 python benchmarks/core_timings.py [--out benchmarks/results/core_timings.md]
+    OMP_NUM_THREADS=1 python benchmarks/core_timings.py            # full run (~10 min on 2 CPU cores)
+    OMP_NUM_THREADS=1 python benchmarks/core_timings.py --quick    # smoke run: budget 64, 128-token prompt, 5 steps
 
-1. Cold and warm compile of the embedded model (snapkv, budget 256, prefill chunk 256): each measured in a fresh
-   process sharing one new Inductor cache directory (first process = cold, second = warm).
-2. Decode step on the embedded model after a 512-token prefill: unmodified transformers (DynamicCache), fxbudget's
-   eager kernel, fxbudget compiled with Inductor; interleaved steps, medians.
-3. Layer level, decode with a full cache: compiled budget attention (the fxbudget pass + Inductor, snapkv) vs
-   compiled plain SDPA over a static cache of the same size (index_copy_ write + SDPA, the ideal that never evicts).
+1. Compile: `fxbudget.compile(..., backend="inductor")` (snapkv, prefill chunks of `--chunk`), the first prefill (one
+   chunk graph) and the first decode step, each in a fresh process; both processes share one new Inductor cache
+   directory, so the first is cold and the second warm.
+2. Decode step after the prompt (second process): fxbudget compiled, fxbudget's eager kernel, and the model's own
+   forward with transformers' full DynamicCache (no eviction); interleaved steps, median and interquartile range, and
+   the per-step ratio to the compiled path.
+Layer-level kernel costs are in `overhead.py` (vs plain SDPA) and `compiled_vs_eager.py`; this script does not repeat
+them. The report holds only what this run measured.
 """
 
 from __future__ import annotations
@@ -15,155 +18,110 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
-ROOT = Path(__file__).resolve().parent.parent
+from _common import (ROOT, emit, env_info, fmt_ratio, header_lines, interleaved, load_str, md_table, paired_ratio,
+                     quartiles, setup_threads, tune_malloc)
 
 
-def _model_phase(measure_steps: bool) -> dict:
-    """Runs in a child process: compile times (and decode-step timings if asked) on the embedded model."""
+def _child(budget: int, chunk: int, prompt: int, steps: int) -> dict:
+    """One fresh process: compile times and (if `steps`) interleaved decode steps on the embedded model."""
+    import torch
+
     import fxbudget
+    from fxbudget.cache_arg import output_cache
     from fxbudget.harness.tasks import chat_ids, passkey
     from fxbudget.models import load_default
 
     model, tok = load_default(progress=False)
-    sample = passkey(tok, 500, seed=0)
-    ids = torch.cat(chat_ids(tok, sample), dim=1)[:, :512]
-    res = {}
+    ids = torch.cat(chat_ids(tok, passkey(tok, prompt, seed=0)), dim=1)[:, :prompt]
+    res = {"prompt_tokens": ids.shape[1]}
     with torch.no_grad():
-        m = fxbudget.compile(model, rule="snapkv", budget=256, chunk_size=256, backend="inductor")
-        m_forward = m.forward
+        compiled = fxbudget.compile(model, rule="snapkv", budget=budget, chunk_size=chunk, backend="inductor").forward
         t = time.perf_counter()
-        out = m(input_ids=ids)  # two chunks of 256: one graph
+        out = compiled(input_ids=ids)
         res["compile_prefill_s"] = time.perf_counter() - t
-        cache = out.past_key_values
+        c_cache, tok_ = output_cache(out), out.logits[:, -1:].argmax(-1)
         t = time.perf_counter()
-        out = m(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache)
+        compiled(input_ids=tok_, past_key_values=c_cache)
         res["compile_decode_s"] = time.perf_counter() - t
-        if not measure_steps:
+        if not steps:
             return res
-        tok_ = out.logits[:, -1:].argmax(-1)
-        compiled = m_forward  # the compiled wrapper stays callable after the model is restored
-        model.forward.restore()
-        eager = fxbudget.compile(model, rule="snapkv", budget=256, chunk_size=256, backend=None).forward
-        model.forward.restore()
-        e_cache = eager(input_ids=ids).past_key_values
-        hf_cache = model(input_ids=ids, use_cache=True).past_key_values
-        steps = {"compiled": [], "eager_kernel": [], "transformers": []}
-        for _ in range(15):  # interleaved, so all three see the same machine state
-            for name, fn, c in (("compiled", compiled, cache), ("eager_kernel", eager, e_cache),
-                                ("transformers", model, hf_cache)):
-                t = time.perf_counter()
-                fn(input_ids=tok_, past_key_values=c, use_cache=True)
-                steps[name].append(time.perf_counter() - t)
-        res.update({f"decode_{k}_ms": 1e3 * statistics.median(v[3:]) for k, v in steps.items()})
+        # A second copy for the eager kernel; transformers runs that copy's own forward (`.original`: SDPA over its
+        # full DynamicCache, no mask in a decode step, as with attn_implementation="sdpa"). Two copies stay alive,
+        # never three: ~2 GB each.
+        other, _ = load_default(progress=False)
+        eager = fxbudget.compile(other, rule="snapkv", budget=budget, chunk_size=chunk, backend=None).forward
+        e_cache = output_cache(eager(input_ids=ids))
+        hf_cache = output_cache(eager.original(input_ids=ids, use_cache=True))
+        t = interleaved({"compiled": lambda: compiled(input_ids=tok_, past_key_values=c_cache),
+                         "eager_kernel": lambda: eager(input_ids=tok_, past_key_values=e_cache),
+                         "transformers": lambda: eager.original(input_ids=tok_, past_key_values=hf_cache,
+                                                                use_cache=True)},
+                        steps, warmup=2)
+    res["steps_s"] = t
     return res
 
 
-class _Layer(torch.nn.Module):
-    """Attention only: the new token's K/V go through the cache, SDPA attends (GQA 7:1 like the embedded model)."""
-
-    def forward(self, q, k, v, past_key_values):
-        keys, values = past_key_values.update(k, v, 0)
-        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
-
-
-def _static_sdpa(q, k, v, K, V, idx):
-    K.index_copy_(2, idx, k)
-    V.index_copy_(2, idx, v)
-    return F.scaled_dot_product_attention(q, K, V, enable_gqa=True)
-
-
-def _layer_bench(budget: int, iters: int = 300) -> dict:
-    from types import SimpleNamespace
-
-    import fxbudget
-    from fxbudget.backend import make_backend
-
-    cfg = SimpleNamespace(num_hidden_layers=1, num_attention_heads=14, num_key_value_heads=2, head_dim=64, hidden_size=896)
-    cache = fxbudget.BudgetCache(cfg, budget)
-    q, k, v = torch.randn(1, 14, 1, 64), torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
-    layer = torch.compile(_Layer(), backend=make_backend("snapkv"), fullgraph=True, dynamic=False)
-    with torch.no_grad():
-        cache.layers[0].pos.copy_(torch.arange(budget))  # a full cache: every step evicts
-        cache.layers[0].keys.normal_(); cache.layers[0].values.normal_(); cache.layers[0].seen.fill_(budget)
-        K, V = torch.randn(1, 2, budget, 64), torch.randn(1, 2, budget, 64)
-        idx = torch.tensor([budget - 1])
-        static = torch.compile(_static_sdpa, fullgraph=True, dynamic=False)
-        t0 = time.perf_counter(); layer(q, k, v, cache); c1 = time.perf_counter() - t0
-        t0 = time.perf_counter(); static(q, k, v, K, V, idx); c2 = time.perf_counter() - t0
-        a, b = [], []
-        for _ in range(iters):  # interleaved, so both see the same machine state
-            t = time.perf_counter(); layer(q, k, v, cache); a.append(time.perf_counter() - t)
-            t = time.perf_counter(); static(q, k, v, K, V, idx); b.append(time.perf_counter() - t)
-    ma, mb = statistics.median(a[20:]), statistics.median(b[20:])
-    return {"budget": budget, "budget_attention_us": 1e6 * ma, "static_sdpa_us": 1e6 * mb, "ratio": ma / mb,
-            "compile_budget_s": c1, "compile_static_s": c2}
-
-
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "core_timings.md"))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget", type=int, default=256, help="budget (default 256)")
+    p.add_argument("--chunk", type=int, default=256, help="prefill chunk size (default 256)")
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
+    p.add_argument("--steps", type=int, default=12, help="interleaved decode steps (default 12)")
+    p.add_argument("--quick", action="store_true", help="smoke run: budget 64, chunk 64, 128-token prompt, 5 steps")
+    p.add_argument("--out", default=None, help="markdown output (default benchmarks/results/core_timings.md; "
+                                               "--quick writes nothing unless given)")
     p.add_argument("--child", choices=["cold", "warm"], help=argparse.SUPPRESS)
-    p.add_argument("--budgets", default="256,1024,4096")
     args = p.parse_args()
-    torch.set_num_threads(1)
+    setup_threads(1)
+    tune_malloc()
+    if args.quick:
+        args.budget, args.chunk, args.prompt, args.steps = 64, 64, 128, 5
     if args.child:
-        print(json.dumps(_model_phase(measure_steps=args.child == "warm")))
+        res = _child(args.budget, args.chunk, args.prompt, args.steps if args.child == "warm" else 0)
+        print(json.dumps(res))
         return 0
 
-    inductor_dir = tempfile.mkdtemp(prefix="fxbudget_inductor_")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_dir, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": str(ROOT)}
-    phases = {}
+    info = env_info("cpu")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="fxbudget_inductor_"),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(ROOT)}
+    runs = {}
     for phase in ("cold", "warm"):
-        print(f"model phase: {phase} (fresh process)...", flush=True)
-        out = subprocess.run([sys.executable, __file__, "--child", phase], env=env, capture_output=True, text=True,
-                             check=True)
-        phases[phase] = json.loads(out.stdout.strip().splitlines()[-1])
-        print(" ", phases[phase], flush=True)
-    layers = []
-    for budget in [int(b) for b in args.budgets.split(",")]:
-        print(f"layer bench: budget {budget}...", flush=True)
-        layers.append(_layer_bench(budget))
-        print(" ", layers[-1], flush=True)
+        print(f"{phase} process...", flush=True)
+        cmd = [sys.executable, __file__, "--child", phase, "--budget", str(args.budget), "--chunk", str(args.chunk),
+               "--prompt", str(args.prompt), "--steps", str(args.steps)]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if out.returncode:
+            sys.stderr.write(out.stderr)
+            return out.returncode
+        runs[phase] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(" ", {k: v for k, v in runs[phase].items() if k != "steps_s"}, flush=True)
 
-    import transformers
-
-    w = phases["warm"]
-    lines = [
-        "# Core timings", "",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch threads 1, "
-        f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}; torch {torch.__version__}, transformers {transformers.__version__}; "
-        f"{time.strftime('%Y-%m-%d')}. Command: `OMP_NUM_THREADS=1 python benchmarks/core_timings.py`.", "",
-        "## Compile on the embedded model (snapkv, budget 256, prefill chunks of 256, 24 layers)", "",
-        "| | prefill-chunk graph | decode graph |", "|---|---|---|",
-        f"| cold (empty Inductor cache) | {phases['cold']['compile_prefill_s']:.1f} s | {phases['cold']['compile_decode_s']:.1f} s |",
-        f"| warm (same cache, new process) | {w['compile_prefill_s']:.1f} s | {w['compile_decode_s']:.1f} s |", "",
-        "## Decode step on the embedded model after a 512-token prompt (median of 12 interleaved steps)", "",
-        "| path | ms / step | vs compiled |", "|---|---|---|",
-    ]
-    for key, name in (("compiled", "fxbudget, Inductor"), ("eager_kernel", "fxbudget, eager kernel"),
-                      ("transformers", "transformers, full DynamicCache (no eviction)")):
-        v = w[f"decode_{key}_ms"]
-        lines.append(f"| {name} | {v:.1f} | {v / w['decode_compiled_ms']:.2f}x |")
-    lines += ["", "## Layer level: compiled budget attention vs compiled plain SDPA over a static cache (decode, "
-              "14 query / 2 KV heads, head dim 64, cache full so every step evicts)", "",
-              "| budget | budget attention (us) | static-cache SDPA (us) | ratio |", "|---|---|---|---|"]
-    for r in layers:
-        lines.append(f"| {r['budget']} | {r['budget_attention_us']:.1f} | {r['static_sdpa_us']:.1f} | {r['ratio']:.2f} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    warm = runs["warm"]
+    lines = header_lines("Core timings on the embedded model", info, load_after=load_str())
+    lines += [f"Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF dequantized to fp32), 24 layers; snapkv, budget "
+              f"{args.budget}, prefill chunks of {args.chunk}, a {warm['prompt_tokens']}-token prompt.", "",
+              "## Compile (first call of each graph, a fresh process each; shared new Inductor cache)", ""]
+    lines += md_table(["", "prefill-chunk graph (s)", "decode graph (s)"],
+                      [[f"{phase} ({'empty cache' if phase == 'cold' else 'cache from the cold process'})",
+                        runs[phase]["compile_prefill_s"], runs[phase]["compile_decode_s"]] for phase in runs])
+    steps = warm["steps_s"]
+    names = {"compiled": "fxbudget, Inductor", "eager_kernel": "fxbudget, eager kernel",
+             "transformers": "transformers, full DynamicCache (no eviction)"}
+    rows = []
+    for key, name in names.items():
+        q = quartiles([1e3 * x for x in steps[key]])
+        ratio = fmt_ratio(paired_ratio(steps[key], steps["compiled"]))
+        rows.append([name, f"{q[1]:.1f} [{q[0]:.1f}-{q[2]:.1f}]", ratio])
+    lines += ["", f"## Decode step after the prompt ({len(steps['compiled'])} interleaved steps; median "
+              "[interquartile range]; ratio: per-step ratio to the compiled path, median [interquartile range])", ""]
+    lines += md_table(["path", "ms / step", "vs compiled"], rows)
+    emit(lines, args.out, args.quick, "core_timings")
     return 0
 
 

@@ -233,6 +233,7 @@ def _model_child(kind: str, ctx: int, a) -> dict:
     from transformers import DynamicCache
 
     import fxbudget
+    from fxbudget.cache_arg import cache_name
     from fxbudget.harness.tasks import passkey
     from fxbudget.models import load_default
 
@@ -244,6 +245,8 @@ def _model_child(kind: str, ctx: int, a) -> dict:
     if kind == "fxbudget":
         model = fxbudget.compile(model, rule=a.rule, budget=a.budget, chunk_size=a.chunk, backend=None)
 
+    name = cache_name(model.forward)  # `cache` from transformers 5.24; looked up once, outside the timed steps
+
     def run(x, steps):
         with torch.no_grad():
             if kind == "fxbudget":
@@ -252,14 +255,14 @@ def _model_child(kind: str, ctx: int, a) -> dict:
             else:
                 cache = DynamicCache()
                 for start in range(0, x.shape[1], a.chunk):
-                    out = model(input_ids=x[:, start:start + a.chunk], past_key_values=cache, use_cache=True,
-                                logits_to_keep=1)
+                    out = model(input_ids=x[:, start:start + a.chunk], use_cache=True, logits_to_keep=1,
+                                **{name: cache})
             t_pre = time.perf_counter()
             nxt = out.logits[:, -1:].argmax(-1)
             times = []
             for _ in range(steps):
                 t = time.perf_counter()
-                out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+                out = model(input_ids=nxt, use_cache=True, **{name: cache})
                 times.append(time.perf_counter() - t)
                 nxt = out.logits[:, -1:].argmax(-1)
         return cache, t_pre, times
@@ -280,6 +283,7 @@ def _model_decode_child(contexts: list[int], a) -> dict:
     from transformers import DynamicCache
 
     import fxbudget
+    from fxbudget.cache_arg import cache_name
     from fxbudget.models import load_default
 
     torch.set_num_threads(1)
@@ -302,9 +306,11 @@ def _model_decode_child(contexts: list[int], a) -> dict:
             with torch.no_grad():
                 compiled(input_ids=nxt, past_key_values=b)
 
+        name = cache_name(model.forward)  # `cache` from transformers 5.24, looked up outside the timed step
+
         def step_d():
             with torch.no_grad():
-                model(input_ids=nxt, past_key_values=d, use_cache=True)
+                model(input_ids=nxt, use_cache=True, **{name: d})
 
         times = interleaved({"fxbudget": step_b, "full": step_d}, reps=a.model_decode_steps, warmup=2)
         rows.append({"ctx": ctx, "fxbudget_ms": 1e3 * statistics.median(times["fxbudget"]),

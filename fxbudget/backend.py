@@ -7,11 +7,12 @@ from typing import Callable
 import torch
 from torch import fx
 
-from .kernel import DEFAULT_WINDOW
+from .kernel import DEFAULT_BLOCK, DEFAULT_WINDOW
 from .passes.sdpa import rewrite
 from .rules import Rule, get
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+REWRITE_KEY = "fxbudget_rewrite"  # gm.meta key of the pass's RewriteReport (layers rewritten, SDPA left alone)
 
 
 class NoBudgetAttentionError(RuntimeError):
@@ -19,13 +20,23 @@ class NoBudgetAttentionError(RuntimeError):
 
 
 def kernel_window(rule: Rule) -> int:
-    """The observation window of a run: the rule's own `window` if it has one, else the kernel default."""
-    return rule.window if getattr(rule, "window", None) else DEFAULT_WINDOW
+    """The observation window of a run: the rule's own `window` if it has one (an int >= 1), else the kernel default.
+
+    Raises:
+        ValueError: for a window that is not an int >= 1 (0 used to fall back to the default silently).
+    """
+    window = getattr(rule, "window", None)
+    if window is None:
+        return DEFAULT_WINDOW
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"rule {getattr(rule, 'name', '') or type(rule).__name__!r}: window must be an int >= 1, "
+                         f"got {window!r}")
+    return window
 
 
 def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
                  on_graph: Callable[[fx.GraphModule], None] | None = None, cudagraphs: bool = False,
-                 window: int | None = None, **rule_params):
+                 block: int | None = DEFAULT_BLOCK, window: int | None = None, **rule_params):
     """A Dynamo backend that rewrites SDPA for `rule` and compiles with `inner`.
 
     Args:
@@ -35,6 +46,7 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
             does for the plain inductor backend; `mode=` cannot be combined with a custom backend). The cache tensors
             are mutated in place, so mark them with `torch._dynamo.mark_static_address` first, or Inductor skips
             CUDA graphs for the graph.
+        block: queries per block of the kernel's measure phase (a kernel setting: one value per comparison).
         window: the kernel's observation window (default: the rule's, `kernel_window(rule)`).
         **rule_params: hyperparameters for a named rule.
     Returns:
@@ -47,7 +59,8 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
     sliding_rule = get("window")
 
     def fxbudget_backend(gm: fx.GraphModule, example_inputs, **kwargs):
-        report = rewrite(gm, rule, window, sliding_rule)
+        report = rewrite(gm, rule, window, sliding_rule, block)
+        gm.meta[REWRITE_KEY] = report  # what `fxbudget inspect` summarizes
         if not report.rewritten:
             raise NoBudgetAttentionError(
                 "fxbudget found no scaled_dot_product_attention fed by a BudgetCache in the traced graph "

@@ -1,9 +1,9 @@
-"""`BudgetCache`: fixed-size KV slots per layer, and the marker that links each attention call to its slots.
+"""`BudgetCache`: fixed-size KV slots per layer.
 
 Every tensor is allocated up front and only written in place, so a compiled graph sees the cache as graph inputs and
-never changes shape. `update()` does not attend or evict: it emits the marker op `fxbudget::candidates`, whose
-arguments are everything the kernel needs; the SDPA pass (compiled path) or the eager interceptor (eager path)
-replaces the SDPA call fed by it with `budget_attention`.
+never changes shape. `update()` does not attend or evict: it emits the marker op `fxbudget::candidates`
+(`fxbudget.marker`), whose arguments are everything the kernel needs; the SDPA pass (compiled path) or the eager
+interceptor (eager path) replaces the SDPA call fed by it with `budget_attention`.
 """
 
 from __future__ import annotations
@@ -15,41 +15,20 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .eager import require_interceptor
 from .kernel import TOTALED
-
-
-@torch.library.custom_op("fxbudget::candidates", mutates_args=())
-def candidates(
-    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, budget: int, keep: int, sliding: int,
-) -> tuple[Tensor, Tensor]:
-    """Marker: the candidate keys/values (slots then new tokens), as a plain cache would hand them to SDPA.
-
-    It carries no layer index: structurally identical layers then trace to identical graphs, so a decoder layer
-    compiled once serves all of them (`fxbudget.regions`)."""
-    return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
-
-
-@candidates.register_fake
-def _(k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq, budget, keep, sliding):
-    return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
-
-
-# Positional argument names of the marker, shared by the pass and the eager interceptor.
-MARKER_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms", "totals", "k_new", "v_new", "new_pos",
-                  "inv_freq")
-MARKER_STATICS = ("budget", "keep", "sliding")
+from .marker import MARKER_STATICS, MARKER_TENSORS, MarkerCall, candidates  # noqa: F401  (importers use cache's)
 
 
 @dataclass
-class MarkerCall:
-    """The marker's arguments, attached to its eager outputs so the eager interceptor can find them."""
+class CallPositions:
+    """What `BudgetForward` knows of the call about to run, shared by every layer of a cache: the positions of its
+    tokens per row (`[batch, n]`, -1 = a pad: left padding of a batch, or fxbudget's own padding to a shape bucket)
+    and how many tokens the call adds to `get_seq_length()` (pads of the user's batch count, fxbudget's do not).
+    Unset (None), a layer numbers the call's tokens on from `seen` (a plain `torch.compile(backend="fxbudget")`)."""
 
-    tensors: tuple[Tensor, ...]
-    layer: int
-    budget: int
-    keep: int
-    sliding: int
+    pos: Tensor | None = None
+    advance: Tensor | None = None
 
 
 class BudgetLayer(CacheLayerMixin):
@@ -63,8 +42,9 @@ class BudgetLayer(CacheLayerMixin):
 
     def __init__(self, *, layer: int, budget: int, slots: int, sliding: int, batch_size: int, kv_heads: int,
                  head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device,
-                 inv_freq: Tensor | None = None):
+                 inv_freq: Tensor | None = None, call: CallPositions | None = None):
         super().__init__()
+        self.call = call if call is not None else CallPositions()
         self.layer, self.budget, self.slots, self.sliding = layer, budget, slots, sliding
         self.is_sliding = bool(sliding)
         self.dtype, self.device = dtype, device
@@ -86,16 +66,24 @@ class BudgetLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        n = key_states.shape[-2]
-        new_pos = torch.arange(n, device=self.device) + self.seen
-        self.seen.add_(n)
+        return self.mark(key_states, value_states, self.layer)
+
+    def mark(self, key_states: Tensor, value_states: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """`update` with the layer index the marker carries: this layer's own, or -1 from a compiled region that
+        several layers share (`fxbudget.regions`: an index in the graph would make every layer a graph of its own).
+        The index only labels the call (the pass's report, the eager path's errors); the kernel never reads it."""
+        b, _, n, _ = key_states.shape
+        if self.call.pos is None:
+            new_pos = (torch.arange(n, device=self.device) + self.seen).expand(b, n)
+            self.seen.add_(n)
+        else:
+            new_pos = self.call.pos
+            self.seen.add_(self.call.advance)
         tensors = (self.keys, self.values, self.pos, self.state, self.norms, self.totals, key_states, value_states,
                    new_pos, self.inv_freq)
-        k, v = torch.ops.fxbudget.candidates(*tensors, self.budget, self.keep, self.sliding)
+        k, v = torch.ops.fxbudget.candidates(*tensors, layer, self.budget, self.keep, self.sliding)
         if not torch.compiler.is_compiling():
-            from .eager import require_interceptor  # eager: the interceptor must be active, or SDPA would be wrong
-
-            mode = require_interceptor()
+            mode = require_interceptor()  # eager: the interceptor must be active, or SDPA would be wrong
             call = MarkerCall(tensors, self.layer, self.budget, self.keep, self.sliding)
             k._fxbudget, v._fxbudget = call, call
             mode.pending[id(call)] = self.layer
@@ -188,19 +176,22 @@ class BudgetCache(Cache):
                                  f"= {n_full * budget}: every rule must hold the same memory")
         full_budgets = iter(layer_budgets or [budget] * n_full)
         layers = []
+        self.call = CallPositions()  # set by BudgetForward around each call; shared by every layer
         for i, t in enumerate(types):
             sliding = cfg.sliding_window if t == "sliding_attention" else 0
             b = sliding or next(full_budgets)
             layers.append(BudgetLayer(
                 layer=i, budget=b, slots=sliding or b + headroom, sliding=sliding,
                 batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
-                dtype=dtype, device=device, inv_freq=_rope_inv_freq(cfg, t, head_dim)))
+                dtype=dtype, device=device, inv_freq=_rope_inv_freq(cfg, t, head_dim), call=self.call))
         super().__init__(layers=layers)
         self.budget, self.headroom, self.dtype, self.device = budget, headroom, dtype, device
         self.layer_budgets = [layer.budget for layer in self._budgeted()]
         self.has_rope = not any(bool(layer.inv_freq.isnan().any()) for layer in self._budgeted())
         self.signature = (n_layers, kv_heads, head_dim, heads, types)  # what the cache was built for
         self._frozen = False
+        # The next position of each row (rows of a left-padded batch have seen different numbers of tokens).
+        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         # Entries held per budgeted layer, tracked on the Python side to check head-room before a call runs.
         self._held = [0] * len(self.layer_budgets)
 
@@ -221,8 +212,14 @@ class BudgetCache(Cache):
         return int(self.layers[0].seen)
 
     def kv_bytes(self) -> int:
-        """Bytes held by cached keys and values (all layers)."""
+        """Bytes allocated for cached keys and values (all layers, every slot: empty ones and head-room included)."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values))
+
+    def held_kv_bytes(self) -> int:
+        """Bytes of keys and values held: the slots that hold a token (all layers, rows and KV heads)."""
+        return sum(int((layer.pos >= 0).sum()) * (layer.keys.shape[-1] * layer.keys.element_size()
+                                                  + layer.values.shape[-1] * layer.values.element_size())
+                   for layer in self.layers)
 
     @contextlib.contextmanager
     def frozen(self):
@@ -259,6 +256,7 @@ class BudgetCache(Cache):
         for layer in self._budgeted():
             layer.keep = layer.budget
         self._held, self._frozen = [0] * len(self.layer_budgets), False
+        self.next_pos.zero_()
 
     def _budgeted(self):
         return [layer for layer in self.layers if not layer.sliding]

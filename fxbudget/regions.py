@@ -8,7 +8,7 @@ object is shared by all layers of one configuration; Dynamo then reuses one grap
 
 What makes the layers' graphs equal: attention calls `past_key_values.update(k, v, self.layer_idx)`, and an int that
 reaches the graph is a guard (one graph per layer). Each compiled layer therefore receives a `LayerCacheView` of its
-own cache layer, whose `update` ignores the index, and the marker op carries no layer index.
+own cache layer, whose `update` ignores the index and marks the call with layer -1 (`BudgetLayer.mark`).
 
 Each configuration (layer type, budget, sliding window) gets its own code object, hence its own Dynamo cache: layers
 with other per-layer budgets (pyramidkv) or sliding windows (Gemma 3) compile their own region without piling onto
@@ -26,10 +26,9 @@ import torch
 from torch import nn
 
 from .cache import BudgetCache, BudgetLayer
+from .cache_arg import NAMES as _CACHE_KWARGS  # `cache` from transformers 5.24 on, `past_key_values` before
 
 _CODE_IDS = itertools.count()
-# Names under which transformers passes the cache to a decoder layer (`cache` from 5.24 on).
-_CACHE_KWARGS = ("past_key_values", "cache", "past_key_value")
 
 
 def _fresh(fn: Callable, name: str) -> Callable:
@@ -63,7 +62,8 @@ def whole_model_forward(forward: Callable, backend) -> Callable[..., Any]:
 
 
 class LayerCacheView:
-    """What a compiled decoder layer sees as its cache: one `BudgetLayer`; `update` ignores the layer index.
+    """What a compiled decoder layer sees as its cache: one `BudgetLayer`; `update` ignores the layer index (the
+    marker gets -1, the same in every layer's trace).
 
     Only `update` is provided: a decoder layer that reads other cache attributes cannot be compiled per layer (pass
     such a model through the whole-model path, `fxbudget.regions.whole_model_forward`)."""
@@ -72,7 +72,7 @@ class LayerCacheView:
         self.layer = layer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return self.layer.update(key_states, value_states)
+        return self.layer.mark(key_states, value_states, -1)
 
 
 def _region(layer: nn.Module, args: tuple, kwargs: dict):

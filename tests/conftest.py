@@ -6,22 +6,38 @@ import copy
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, \
-    Qwen2ForCausalLM
+from hypothesis import settings
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, \
+    MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from fxbudget.cache_arg import cache_kwargs, output_cache
 
 torch.set_num_threads(1)  # on 2 cores, OpenMP spinning makes everything slower
+
+# Property tests draw the same examples on every run and machine (CI included): a fixed derivation per test, no
+# example database carried between runs.
+settings.register_profile("fxbudget", derandomize=True, database=None, deadline=None)
+settings.load_profile("fxbudget")
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, attn_implementation="sdpa")
 
 
 def tiny_model(arch: str = "llama", layers: int = 2, seed: int = 0):
-    """A random-weight causal LM in eval mode: llama, qwen2 (GQA 2:1) or gemma3 (sliding + full layers)."""
+    """A random-weight causal LM in eval mode: llama, mistral, qwen2, qwen3, phi3 (GQA 2:1; phi3 fused QKV) or gemma3
+    (sliding + full layers)."""
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **COMMON))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=layers, **COMMON))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(num_hidden_layers=layers, **COMMON))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, head_dim=16, **COMMON))
+    elif arch == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(num_hidden_layers=layers, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                           **COMMON))
     elif arch == "gemma3":
         cfg = Gemma3TextConfig(num_hidden_layers=max(layers, 3), head_dim=16, sliding_window=8,
                                layer_types=["sliding_attention", "sliding_attention", "full_attention"][:max(layers, 3)],
@@ -34,12 +50,13 @@ def tiny_model(arch: str = "llama", layers: int = 2, seed: int = 0):
 
 def greedy(model, ids: torch.Tensor, steps: int, cache=None):
     """Prefill `ids` then `steps` greedy decode steps; returns (logits of every step `[steps + 1, batch, vocab]`, cache)."""
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-    cache = out.past_key_values
+    # The cache keyword the model declares (`cache` from transformers 5.24, `past_key_values` before).
+    out = model(input_ids=ids, use_cache=True, **cache_kwargs(model.forward, cache))
+    cache = output_cache(out)
     logits = [out.logits[:, -1]]
     for _ in range(steps):
         tok = logits[-1].argmax(-1, keepdim=True)
-        out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+        out = model(input_ids=tok, use_cache=True, **cache_kwargs(model.forward, cache))
         logits.append(out.logits[:, -1])
     return torch.stack(logits), cache
 

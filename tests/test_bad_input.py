@@ -68,13 +68,30 @@ def test_unsupported_layer_type():
         fxbudget.BudgetCache(cfg, 8)
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
 def test_no_sdpa_in_model(backend):
+    """A model fxbudget cannot budget fails on every call, never runs unbudgeted; restore() gives it back."""
     model = OneLayer(use_sdpa=False)
     fxbudget.compile(model, rule="knorm", budget=4, backend=backend)
-    with pytest.raises(fxbudget.NoBudgetAttentionError, match="scaled_dot_product_attention"):
-        model(torch.zeros(1, 3, dtype=torch.long), past_key_values=fxbudget.BudgetCache(CONFIG, 4))
+    for _ in range(2):  # the second call must not silently run the unmodified model
+        with pytest.raises(fxbudget.NoBudgetAttentionError, match="scaled_dot_product_attention.*restore()"):
+            model(torch.zeros(1, 3, dtype=torch.long), past_key_values=fxbudget.BudgetCache(CONFIG, 4))
+    assert model.forward.restore() is model
     _untouched(model)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_failed_model_stays_failed_in_generate(backend):
+    """An HF model whose attention stops being SDPA: every generate() raises, none runs the full cache."""
+    model = fxbudget.compile(tiny_model("llama"), rule="snapkv", budget=16, backend=backend)
+    model.config._attn_implementation = "eager"  # attention fxbudget cannot see (matmul + softmax, no SDPA)
+    ids = torch.randint(0, 96, (1, 6))
+    for _ in range(2):
+        with pytest.raises(fxbudget.NoBudgetAttentionError, match="restore()"):
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+    model.forward.restore()
+    assert model.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 8)
 
 
 def test_compile_twice(model):
@@ -85,10 +102,10 @@ def test_compile_twice(model):
     _untouched(m)
 
 
-def test_left_padded_batch(model):
+def test_right_padded_batch(model):
     m = fxbudget.compile(fresh(model), budget=8, backend=None)
-    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
-    with pytest.raises(ValueError, match="padded batches are not supported"):
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    with pytest.raises(ValueError, match="must be left padding"):
         m(input_ids=torch.zeros(2, 3, dtype=torch.long), attention_mask=mask)
 
 
@@ -134,3 +151,24 @@ def test_expected_attention_needs_default_rope():
     with pytest.raises(ValueError, match="needs the model's RoPE frequencies"):
         fxbudget.compile(model, rule="expected_attention", budget=8)
     _untouched(model)
+
+
+def test_recompile_limit_error_is_scoped_to_fxbudget_calls():
+    # fxbudget wants an error past Dynamo's recompile limit (not a silent eager fallback), but only in its own calls.
+    import torch._dynamo.config as dynamo_config
+
+    seen = []
+
+    class Probe(fxbudget.rules.Rule):  # runs while the pass traces the kernel, inside the compiled call
+        name = "probe"
+
+        def score(self, s):
+            seen.append(dynamo_config.fail_on_recompile_limit_hit)
+            return s.attn
+
+    before = dynamo_config.fail_on_recompile_limit_hit
+    m = fxbudget.compile(tiny_model("llama", layers=1), rule=Probe(), budget=8, backend="eager")
+    with torch.no_grad():
+        m(input_ids=torch.randint(0, 96, (1, 5)))
+    assert seen and set(seen) == {True}
+    assert dynamo_config.fail_on_recompile_limit_hit == before

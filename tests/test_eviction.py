@@ -33,8 +33,9 @@ def _compare_paths(arch, rule, backend, layers=2, budget=12, chunk_size=8):
             assert int((cache.positions(i) >= 0).sum(-1).max()) == layer.budget < 40
 
 
-@pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch, rule", [
+    pytest.param(arch, rule, marks=pytest.mark.newest if (arch, rule) in (("llama", "snapkv"), ("gemma3", "h2o"))
+                 else ()) for arch in ("llama", "gemma3") for rule in RULES])
 def test_aot_eager_equals_eager(arch, rule):
     _compare_paths(arch, rule, "aot_eager")
 
@@ -109,6 +110,44 @@ def test_frozen_calls_share_one_compiled_runner_across_rules():
     assert len(graphs) == 2  # the frozen question and decode graphs, compiled once for the three rules
 
 
+@pytest.mark.parametrize("rule", ["snapkv", "h2o", "knorm"])
+def test_bucket_padding_equals_the_unpadded_eager_run(rule):
+    # Chunks of 40: the last chunk (35 tokens, evicting, longer than the window of 32) runs padded to 40, the frozen
+    # 5-token question too (buckets (40,)). fxbudget's pads (position -1) must change nothing: not the logits, not the
+    # kept tokens, not the tokens the cache counts; and the compiled forward needs one graph per bucket only.
+    model = tiny_model("qwen2")
+    torch.manual_seed(4)
+    ids, question = torch.randint(0, 96, (1, 115)), torch.randint(0, 96, (1, 5))
+    runs = {}
+    for backend in (None, "aot_eager"):
+        m = fxbudget.compile(model, rule=rule, budget=48, backend=backend, chunk_size=40, headroom=8)
+        cache = m.forward.new_cache()
+        with torch.no_grad():
+            prefill = m(input_ids=ids, past_key_values=cache, logits_to_keep=0).logits  # every position's logits
+            with cache.frozen():
+                logits, _ = greedy(m, question, 2, cache=cache)
+        runs[backend] = prefill, logits, [cache.positions(i) for i in range(len(cache.layers))], cache.tokens_seen
+        graphs = m.forward.graphs
+        m.forward.restore()
+    (ref_prefill, ref_logits, ref_pos, ref_seen), (prefill, logits, pos, seen) = runs[None], runs["aot_eager"]
+    assert prefill.shape[1] == 115 and (prefill - ref_prefill).abs().max().item() <= 1e-4
+    assert (logits - ref_logits).abs().max().item() <= 1e-4
+    assert all(torch.equal(a, b) for a, b in zip(pos, ref_pos)) and seen == ref_seen == 122
+    # Each graph is one decoder layer's region: its first input is the hidden states, [batch, length, hidden].
+    lengths = sorted(next(n for n in gm.graph.nodes if n.op == "placeholder").meta["example_value"].shape[1]
+                     for gm in graphs)
+    assert lengths == [1, 40, 40]  # the prefill chunk, the frozen question, the frozen decode step
+
+
+def test_bucket_lengths():
+    from fxbudget.api import bucket_length
+
+    assert [bucket_length(n, (32, 256)) for n in (5, 32, 33, 256)] == [32, 32, 256, 256]
+    # Past the buckets: a quarter of the power of two (at least 16), so at most a quarter more tokens.
+    assert [bucket_length(n) for n in (17, 100, 2000, 2049)] == [32, 112, 2048, 2560]
+    assert all(n <= bucket_length(n) <= 1.25 * n for n in range(64, 5000))
+
+
 def test_full_rule_refuses_to_evict():
     model = tiny_model("llama")
     m = fxbudget.compile(fresh(model), rule="full", budget=16, backend=None)
@@ -116,3 +155,60 @@ def test_full_rule_refuses_to_evict():
         out = m(input_ids=torch.randint(0, 96, (1, 10)))
         with pytest.raises(ValueError, match="'full' keeps everything.*budget 16"):
             m(input_ids=torch.randint(0, 96, (1, 7)), past_key_values=out.past_key_values)
+
+
+def _attention_layer() -> torch.nn.Module:
+    """Attention only: the call's K/V through the BudgetCache, then SDPA (what the pass rewrites). A new class per
+    call: Dynamo caches compiled graphs per code object, and one per rule would pass its recompile limit."""
+
+    class AttentionLayer(torch.nn.Module):
+        def forward(self, q, k, v, past_key_values):
+            keys, values = past_key_values.update(k, v, 0)
+            return torch.nn.functional.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+    return AttentionLayer()
+
+
+def _full_layer(budget: int, seed: int = 0):
+    """A one-layer BudgetCache holding `budget` tokens in shuffled slots (so every call evicts), and a call of 3."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                          hidden_size=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cache = fxbudget.BudgetCache(cfg, budget)
+    g = torch.Generator().manual_seed(seed)
+    L = cache.layers[0]
+    L.keys.copy_(torch.randn(L.keys.shape, generator=g))
+    L.values.copy_(torch.randn(L.values.shape, generator=g))
+    L.pos.copy_(torch.stack([torch.randperm(budget, generator=g) for _ in range(2)]).unsqueeze(0))
+    L.state.copy_(torch.rand(L.state.shape, generator=g))
+    L.norms.copy_(torch.stack([L.keys.norm(dim=-1), L.values.norm(dim=-1)], dim=-1))
+    L.seen.fill_(budget)
+    call = (torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 3, 8, generator=g),
+            torch.randn(1, 2, 3, 8, generator=g))
+    return cache, call
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("rule", RULES)
+def test_inductor_layer_evicts_like_eager(rule):
+    # Every rule compiled by Inductor with eviction, at layer level (one small graph each): the same kept slots,
+    # state and output as the eager kernel.
+    from fxbudget.backend import kernel_window, make_backend
+    from fxbudget.eager import BudgetAttentionMode
+
+    params = {"snapkv": {"window": 2}, "pyramidkv": {"window": 2}}.get(rule, {})
+    eager_cache, call = _full_layer(8)
+    compiled_cache, _ = _full_layer(8)
+    r = fxbudget.rules.get(rule, **params)
+    with torch.no_grad():
+        with BudgetAttentionMode(r, kernel_window(r), fxbudget.rules.get("window")):
+            expected = _attention_layer()(*call, eager_cache)
+        layer = torch.compile(_attention_layer(), backend=make_backend(r), fullgraph=True, dynamic=False)
+        out = layer(*call, compiled_cache)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    a, b = eager_cache.layers[0], compiled_cache.layers[0]
+    assert torch.equal(a.pos, b.pos)
+    for name in ("keys", "values", "state", "norms", "totals"):
+        torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-5, atol=1e-5, msg=name)
+    assert int((b.pos >= 0).sum()) == 2 * 8  # each KV head kept 8 of its 11 candidates

@@ -5,29 +5,22 @@ import torch
 
 import fxbudget
 from conftest import fresh, greedy, tiny_model
+from fxbudget.cache_arg import output_cache
 
 RULES = fxbudget.rules.available()
 STEPS = 20
 
 
-def covering_budget(rule: str, model, seq: int) -> int:
-    """The smallest budget (from 64, in steps of 16) whose every per-layer budget covers `seq` tokens."""
-    n_full = model.config.layer_types.count("full_attention") if getattr(model.config, "layer_types", None) \
-        else model.config.num_hidden_layers
-    budget = 64
-    while min(fxbudget.rules.get(rule).layer_budgets(budget, n_full) or [budget]) < seq:
-        budget += 16
-    return budget
+COVERING = 64  # a budget covering the 24 + STEPS tokens of every run below, the same for every rule
 
 
 def _check_exact(arch: str, rule: str, backend, layers: int = 2, batch: int = 1, chunk_size=None):
     model = tiny_model(arch, layers=layers)
     torch.manual_seed(1)
     ids = torch.randint(0, 96, (batch, 24))
-    budget = covering_budget(rule, model, 24 + STEPS)
     with torch.no_grad():
         ref, _ = greedy(model, ids, STEPS)
-        compiled = fxbudget.compile(fresh(model), rule=rule, budget=budget, backend=backend, chunk_size=chunk_size)
+        compiled = fxbudget.compile(fresh(model), rule=rule, budget=COVERING, backend=backend, chunk_size=chunk_size)
         got, cache = greedy(compiled, ids, STEPS)
     assert (got - ref).abs().max().item() <= 1e-4
     seq = 24 + STEPS
@@ -37,15 +30,31 @@ def _check_exact(arch: str, rule: str, backend, layers: int = 2, batch: int = 1,
         assert held == expect, f"layer {i} (sliding={layer.sliding}) holds {held}"
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_full_budget_reproduces_model_eager(arch, rule):
     _check_exact(arch, rule, backend=None)
 
 
+@pytest.mark.parametrize("rule", ["snapkv", "pyramidkv"])
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
-def test_full_budget_batched_and_chunked_eager(arch):
-    _check_exact(arch, "snapkv", backend=None, batch=2, chunk_size=7)
+def test_full_budget_batched_and_chunked_eager(arch, rule):
+    _check_exact(arch, rule, backend=None, batch=2, chunk_size=7)
+
+
+@pytest.mark.parametrize("arch, backend", [("llama", None), ("llama", "aot_eager"), ("qwen2", None)])
+def test_pyramidkv_covering_budget_on_two_layers(arch, backend):
+    """The issue's case: 2 layers, budget 128, 48 tokens. The prompt is shorter than the budget, so, as in the
+    reference code, no layer evicts; every layer holds the whole sequence and the logits are the model's."""
+    model = tiny_model(arch, layers=2)
+    ids = torch.randint(0, 96, (1, 40))
+    with torch.no_grad():
+        ref, _ = greedy(model, ids, 8)
+        got, cache = greedy(fxbudget.compile(fresh(model), rule="pyramidkv", budget=128, backend=backend), ids, 8)
+    assert (got - ref).abs().max().item() <= 1e-4
+    assert cache.layer_budgets == [128, 128] and all(int((cache.positions(i) >= 0).sum(-1).min()) == 48
+                                                      for i in range(2))
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -60,6 +69,7 @@ def test_full_budget_reproduces_model_inductor(rule):
     _check_exact("llama", rule, backend="inductor", layers=1)
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
 def test_generate_prefills_and_decodes_through_the_budget_cache(backend):
     model = tiny_model("qwen2")
@@ -71,5 +81,58 @@ def test_generate_prefills_and_decodes_through_the_budget_cache(backend):
     assert torch.equal(out.sequences, ref)
     cache = out.past_key_values
     assert isinstance(cache, fxbudget.BudgetCache) and cache.tokens_seen == 27
-    with pytest.raises(ValueError, match="padded batches"):
-        m.generate(torch.randint(0, 96, (2, 5)), attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]), **gen)
+    with pytest.raises(ValueError, match="left padding"):  # left padding works (tests/test_padding.py), holes do not
+        m.generate(torch.randint(0, 96, (2, 5)), attention_mask=torch.tensor([[1, 0, 1, 1, 1], [1] * 5]), **gen)
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("arch, backend", [*[(arch, None) for arch in ("llama", "mistral", "qwen3", "phi3", "gemma3")],
+                                           *[(arch, "aot_eager") for arch in ("llama", "qwen3", "gemma3")]])
+def test_generate_on_each_architecture(arch, backend):
+    """generate() on the installed transformers (5.24 renamed its cache argument): the unmodified model's tokens."""
+    model = tiny_model(arch)
+    ids = torch.randint(1, 96, (1, 12))
+    gen = dict(max_new_tokens=4, do_sample=False)
+    ref = model.generate(ids, **gen)
+    m = fxbudget.compile(fresh(model), rule="snapkv", budget=64, backend=backend)
+    out = m.generate(ids, **gen, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert isinstance(output_cache(out), fxbudget.BudgetCache) and output_cache(out).tokens_seen == 15
+
+
+@pytest.mark.newest
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_cache_under_either_name(backend):
+    """The cache is accepted as `cache=` (transformers >= 5.24) and as `past_key_values=`; never both at once."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 96, (1, 10))
+    with torch.no_grad():
+        ref, _ = greedy(model, ids, 2)
+        m = fxbudget.compile(fresh(model), rule="h2o", budget=64, backend=backend)
+        for name in ("cache", "past_key_values"):
+            cache = m.forward.new_cache()
+            out = m(input_ids=ids, **{name: cache})
+            assert output_cache(out) is cache and cache.tokens_seen == 10, name
+            out = m(input_ids=ref[0].argmax(-1, keepdim=True), **{name: cache})
+            assert cache.tokens_seen == 11 and (out.logits[:, -1] - ref[1]).abs().max() <= 1e-4, name
+        with pytest.raises(TypeError, match="both cache= and past_key_values="):
+            m(input_ids=ids, cache=m.forward.new_cache(), past_key_values=m.forward.new_cache())
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_grad_mode_runs_without_autograd(backend):
+    """`model(ids, labels=ids)` outside torch.no_grad() (perplexity): inference-only, the no-grad numbers."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 96, (1, 20))
+    with torch.no_grad():
+        ref = fxbudget.compile(fresh(model), rule="snapkv", budget=12, backend=None, window=4)(input_ids=ids,
+                                                                                             labels=ids)
+    m = fxbudget.compile(fresh(model), rule="snapkv", budget=12, backend=backend, window=4)
+    assert torch.is_grad_enabled()
+    out = m(input_ids=ids, labels=ids)  # evicts: 20 tokens into 12 slots
+    assert not out.logits.requires_grad and not out.loss.requires_grad
+    assert (out.loss - ref.loss).abs() <= 1e-5 and (out.logits - ref.logits).abs().max() <= 1e-4
+    cache = output_cache(out)
+    step = m(input_ids=ids[:, :1], cache=cache)  # decode outside no_grad too
+    assert not step.logits.requires_grad and cache.tokens_seen == 21
+    assert not any(t.requires_grad for layer in cache.layers for t in (layer.keys, layer.values, layer.state))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,11 +21,25 @@ from fxbudget.kernel import TOTALED, budget_attention
 RULES = ["window", "streamingllm", "knorm", "h2o", "snapkv", "pyramidkv", "tova", "keydiff", "random",
          "expected_attention"]
 N_FUTURE = 16  # expected_attention's future positions, small for the test
+WINDOW = 4  # small observation window so chunks are longer than it
+# Variants beyond the defaults: name -> (the kernel's rule, the reference's rule name, the reference's parameters).
+VARIANTS = {
+    "snapkv_avg": (lambda: rules.get("snapkv", window=WINDOW, pooling="avg"), "snapkv", {"pooling": "avg"}),
+    "expected_attention_plain": (
+        lambda: rules.get("expected_attention", n_future_positions=N_FUTURE, n_sink=2, use_covariance=False,
+                          use_vnorm=False),
+        "expected_attention", {"n_sink": 2, "use_covariance": False, "use_vnorm": False}),
+    "expected_attention_epsilon": (
+        lambda: rules.get("expected_attention", n_future_positions=N_FUTURE, epsilon=0.25),
+        "expected_attention", {"epsilon": 0.25}),
+    "pyramid_h2o": (lambda: rules.Pyramid(rules.get("h2o")), "h2o", {}),  # the wrapper at one layer: its rule
+}
 
 
-def ref_expected_attention(entries, q_rot, qpos, step, inv_freq, n_sink=4):
+def ref_expected_attention(entries, q_rot, qpos, step, inv_freq, n_sink=4, use_covariance=True, use_vnorm=True,
+                           epsilon=0.0):
     """kvpress's formula, written out per query head: statistics of the un-rotated queries, the rotation matrix
-    averaged over the next N_FUTURE positions, a softmax over the non-sink keys, times the value norms."""
+    averaged over the next N_FUTURE positions, a softmax over the non-sink keys, times the value norms (+ epsilon)."""
     g, n, d = q_rot.shape
     half = d // 2
 
@@ -46,10 +61,12 @@ def ref_expected_attention(entries, q_rot, qpos, step, inv_freq, n_sink=4):
         mu, cov = R_future @ mu, R_future @ cov @ R_future.T
         if not scoreable:
             continue
-        z = torch.stack([mu @ entries[c]["k"] / math.sqrt(d) + entries[c]["k"] @ cov @ entries[c]["k"] / (2 * d)
+        z = torch.stack([mu @ entries[c]["k"] / math.sqrt(d)
+                         + (entries[c]["k"] @ cov @ entries[c]["k"] / (2 * d) if use_covariance else 0.0)
                          for c in scoreable])
         total[scoreable] += torch.softmax(z, 0)
-    return [(total[c] / g * entries[c]["v"].norm()).item() for c in range(len(entries))]
+    return [((total[c] / g + epsilon) * entries[c]["v"].norm() if use_vnorm else total[c] / g).item()
+            for c in range(len(entries))]
 
 
 def ref_random(pos: int, head: int, seed: int = 0) -> float:
@@ -62,17 +79,18 @@ def ref_random(pos: int, head: int, seed: int = 0) -> float:
     return float(x >> 7)
 
 
-def ref_score(rule: str, entries, window_mass, last_mass, budget, step, window, head, ea=None):
+def ref_score(rule: str, entries, window_mass, last_mass, budget, step, window, head, ea=None, pooling="max",
+              n_sink=4):
     """(protected, score) per entry, from the papers' formulas."""
     out = []
     order = sorted(range(len(entries)), key=lambda i: entries[i]["pos"])
     pooled = {}
     if rule == "keydiff":
         mean = torch.stack([e["k"] for e in entries]).mean(0)
-    if rule in ("snapkv", "pyramidkv"):  # max-pool (kernel 7) of observation-window attention along the sequence
+    if rule in ("snapkv", "pyramidkv"):  # pool (kernel 7) of observation-window attention along the sequence
         seq = [window_mass[i] for i in order]
-        for j, i in enumerate(order):
-            pooled[i] = max(seq[max(0, j - 3): j + 4])
+        for j, i in enumerate(order):  # avg: zero padding counts, as avg_pool1d's default (and kvpress's) does
+            pooled[i] = max(seq[max(0, j - 3): j + 4]) if pooling == "max" else sum(seq[max(0, j - 3): j + 4]) / 7
     for i, e in enumerate(entries):
         p = e["pos"]
         if rule == "window":
@@ -92,11 +110,11 @@ def ref_score(rule: str, entries, window_mass, last_mass, budget, step, window, 
         elif rule == "random":
             out.append((False, ref_random(p, head)))
         elif rule == "expected_attention":
-            out.append((p < 4, ea[i]))
+            out.append((p < n_sink, ea[i]))
     return out
 
 
-def ref_call(entries, q, k_new, v_new, pos0, rule, budget, scale, window, head, inv_freq):
+def ref_call(entries, q, k_new, v_new, pos0, rule, budget, scale, window, head, inv_freq, params=None):
     """One call for one (row, KV head): q `[g, n, d]`; returns (output `[g, n, d]`, surviving entries)."""
     g, n, _ = q.shape
     cands = entries + [{"pos": pos0 + i, "k": k_new[i], "v": v_new[i], "acc": 0.0} for i in range(n)]
@@ -119,22 +137,46 @@ def ref_call(entries, q, k_new, v_new, pos0, rule, budget, scale, window, head, 
     for c, e in enumerate(cands):
         e["acc"] = e["acc"] + mass[c]
     step = pos0 + n
-    ea = ref_expected_attention(cands, q, list(range(pos0, pos0 + n)), step, inv_freq) \
+    params = params or {}
+    ea = ref_expected_attention(cands, q, list(range(pos0, pos0 + n)), step, inv_freq, **params) \
         if rule == "expected_attention" else None
-    scored = ref_score(rule, cands, wmass, lmass, budget, step, min(window, n), head, ea)
+    scored = ref_score(rule, cands, wmass, lmass, budget, step, min(window, n), head, ea,
+                       pooling=params.get("pooling", "max"), n_sink=params.get("n_sink", 4))
     # Protected entries outrank all others and, among themselves, the newer wins (their score is +inf).
     key = {c: (math.inf if prot else score, cands[c]["pos"]) for c, (prot, score) in enumerate(scored)}
     ranked = sorted(range(len(cands)), key=key.__getitem__, reverse=True)
     return out, [cands[c] for c in ranked[:budget]]
 
 
+def _rule(name):
+    """(kernel rule, reference rule name, reference parameters) for a rule name or a `VARIANTS` key."""
+    if name in VARIANTS:
+        make, ref, params = VARIANTS[name]
+        return make(), ref, params
+    params = {"snapkv": {"window": WINDOW}, "pyramidkv": {"window": WINDOW},
+              "expected_attention": {"n_future_positions": N_FUTURE}}
+    return rules.get(name, **params.get(name, {})), name, {}
+
+
 @settings(max_examples=60, deadline=None)
 @given(
-    rule=st.sampled_from(RULES),
+    rule=st.sampled_from(RULES + sorted(VARIANTS)),
     batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.integers(1, 3), head_dim=st.sampled_from([4, 8]),
     budget=st.integers(1, 10), calls=st.lists(st.integers(1, 9), min_size=1, max_size=4), seed=st.integers(0, 2**16),
+    block=st.integers(2, 6),  # calls of up to 9 tokens span several query blocks, the last one partly filled
 )
-def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim, budget, calls, seed):
+def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim, budget, calls, seed, block):
+    check_against_reference(rule, batch, kv_heads, group, head_dim, budget, calls, seed, block)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_matches_float64_reference(variant):
+    # Each variant on a fixed case that evicts in every call (chunks longer than the window, then a decode step).
+    check_against_reference(variant, batch=2, kv_heads=2, group=2, head_dim=8, budget=6, calls=[7, 5, 1, 3], seed=3,
+                            block=3)
+
+
+def check_against_reference(rule, batch, kv_heads, group, head_dim, budget, calls, seed, block):
     gen = torch.Generator().manual_seed(seed)
     b, h, g, d = batch, kv_heads, group, head_dim
     f64 = dict(dtype=torch.float64)
@@ -143,10 +185,8 @@ def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim
     state = torch.zeros(b, h, budget, **f64)
     norms = torch.zeros(b, h, budget, 2, **f64)
     totals = torch.zeros(b, h, len(TOTALED), **f64)
-    window = 4  # small observation window so chunks are longer than it
-    params = {"snapkv": {"window": window}, "pyramidkv": {"window": window},
-              "expected_attention": {"n_future_positions": N_FUTURE}}
-    rule_obj = rules.get(rule, **params.get(rule, {}))
+    window = WINDOW
+    rule_obj, ref_rule, ref_params = _rule(rule)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     scale = 1 / math.sqrt(d)
     ref = [[[] for _ in range(h)] for _ in range(b)]
@@ -157,12 +197,12 @@ def test_kernel_matches_float64_reference(rule, batch, kv_heads, group, head_dim
         v_new = torch.randn(b, h, n, d, generator=gen, **f64)
         new_pos = torch.arange(pos0, pos0 + n)
         out = budget_attention(q, k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq,
-                               rule=rule_obj, budget=budget, window=window)
+                               rule=rule_obj, budget=budget, window=window, block=block)
         for bi in range(b):
             for hi in range(h):
                 qh = q[bi, hi * g:(hi + 1) * g]
-                ref_out, ref[bi][hi] = ref_call(ref[bi][hi], qh, k_new[bi, hi], v_new[bi, hi], pos0, rule, budget,
-                                                scale, window, hi, inv_freq.tolist())
+                ref_out, ref[bi][hi] = ref_call(ref[bi][hi], qh, k_new[bi, hi], v_new[bi, hi], pos0, ref_rule,
+                                                budget, scale, window, hi, inv_freq.tolist(), ref_params)
                 torch.testing.assert_close(out[bi, hi * g:(hi + 1) * g], ref_out, rtol=1e-9, atol=1e-9)
                 # The stored total of attention mass: every query distributes exactly 1.
                 assert abs(totals[bi, hi, 0].item() - g * n) < 1e-9

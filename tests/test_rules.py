@@ -1,5 +1,6 @@
 """Rule library: protected sets at their boundary, seeded randomness, per-layer budgets, user-defined rules."""
 
+import math
 import re
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import fxbudget
 from fxbudget import rules
 from fxbudget.kernel import TOTALED, budget_attention
 from conftest import fresh, tiny_model
+from fxbudget.cache_arg import output_cache
 
 
 def _kept_after_one_call(rule, budget, n=20, seed=0):
@@ -68,9 +70,36 @@ def test_pyramid_budgets_sum_exactly_and_memory_matches_uniform():
     with pytest.raises(ValueError, match="needs per-layer budgets"):
         m(input_ids=torch.zeros(1, 3, dtype=torch.long), past_key_values=fxbudget.BudgetCache(model.config, 48))
     with torch.no_grad():
-        cache = m(input_ids=torch.randint(0, 96, (1, 70))).past_key_values
+        cache = output_cache(m(input_ids=torch.randint(0, 96, (1, 100))))
+    assert cache.layer_budgets == rules.pyramid_budgets(48, 4, 20, 8, prompt=100) != [48] * 4
     held = [int((cache.positions(i)[0, 0] >= 0).sum()) for i in range(4)]
-    assert held == [min(70, b) for b in cache.layer_budgets]
+    assert held == [min(100, b) for b in cache.layer_budgets]
+
+
+def test_pyramid_schedule_follows_the_prompt():
+    """As KVCache-Factory's PyramidKV: uniform for prompts below max(B, 2(B - w)); the lowest layer's budget is
+    capped at the prompt; the sum stays layers x budget."""
+    B, w = 128, 32
+    for n in (10, 127, 128, 191):  # below max(B, 2(B - w)) = 192
+        assert rules.pyramid_budgets(B, 2, 20, w, prompt=n) == [B, B]
+    fixed = rules.pyramid_budgets(B, 4, 20, w)
+    assert fixed == [219, 158, 98, 37]  # w + 188 - 61 i (188 = 2(B - w) - (B - w) // 20), less 2 of rounding
+    for n in (192, 200, 218):  # the lowest layer would get more than the prompt: capped, the rest moves up
+        b = rules.pyramid_budgets(B, 4, 20, w, prompt=n)
+        assert sum(b) == 4 * B and b == sorted(b, reverse=True) and abs(b[0] - n) <= 1 and b[-1] > fixed[-1], b
+    assert rules.pyramid_budgets(B, 4, 20, w, prompt=5000) == fixed
+    # Where the length is known: the cache made on a call without one, and new_cache(prompt=); else the fixed one.
+    model = tiny_model("llama", layers=4)
+    m = fxbudget.compile(fresh(model), rule="pyramidkv", budget=B, backend=None)
+    assert m.forward.new_cache().layer_budgets == fixed
+    with torch.no_grad():
+        for n in (48, 200):
+            cache = output_cache(m(input_ids=torch.randint(0, 96, (1, n))))
+            assert cache.layer_budgets == rules.pyramid_budgets(B, 4, 20, w, prompt=n)
+            m(input_ids=torch.zeros(1, 1, dtype=torch.long), cache=cache)  # its schedule is accepted on later calls
+        sized = m.forward.new_cache(prompt=200)
+        m(input_ids=torch.randint(0, 96, (1, 200)), cache=sized)
+        assert sized.layer_budgets == cache.layer_budgets
 
 
 def test_pyramid_wraps_any_rule():
@@ -79,7 +108,7 @@ def test_pyramid_wraps_any_rule():
     model = tiny_model("llama", layers=2)
     m = fxbudget.compile(fresh(model), rule=p, budget=16, backend=None)
     with torch.no_grad():
-        cache = m(input_ids=torch.randint(0, 96, (1, 40))).past_key_values
+        cache = output_cache(m(input_ids=torch.randint(0, 96, (1, 40))))
     assert cache.layer_budgets == [28, 4]
 
 
@@ -114,3 +143,59 @@ def test_function_rule():
 
     assert isinstance(rules.get("newest_first_fn"), rules.Rule)
     assert _kept_after_one_call(rules.get("newest_first_fn"), 5) == [[15, 16, 17, 18, 19]] * 2
+
+
+class _Scored(rules.Rule):
+    """A test rule whose score is `fn(signals)` (not registered)."""
+
+    name = "scored"
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def score(self, s):
+        return self.fn(s)
+
+
+def _one_call(fn, slot_pos, n, *, dtype=torch.float32):
+    """Positions kept after one call of `n` tokens into slots holding `slot_pos` (-1 = empty), keep = len(slot_pos)."""
+    b, h, S, d = 1, 1, len(slot_pos), 4
+    z = torch.zeros(b, h, S, d, dtype=dtype)
+    pos = torch.tensor(slot_pos).view(b, h, S)
+    start = max(slot_pos) + 1
+    budget_attention(torch.randn(b, h, n, d, dtype=dtype), z, z.clone(), pos, torch.zeros(b, h, S),
+                     torch.zeros(b, h, S, 2), torch.zeros(b, h, len(TOTALED)), torch.randn(b, h, n, d, dtype=dtype),
+                     torch.randn(b, h, n, d, dtype=dtype), torch.arange(start, start + n), rule=_Scored(fn), budget=S)
+    return sorted(p for p in pos.flatten().tolist() if p >= 0)
+
+
+def _scores(values, dtype=torch.float32):
+    return lambda s: torch.tensor(values, dtype=dtype).view(1, 1, -1)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda s: s.attn[..., :1], r"shape \(1, 1, 1\), expected exactly the candidates' shape \(1, 1, 3\)"),
+    (lambda s: s.attn[0, 0], r"shape \(3,\), expected exactly"),
+    (lambda s: s.pos, "must be a floating tensor, got torch.int64"),
+    (lambda s: 1.0, "must be a tensor, got float"),
+])
+def test_score_must_have_the_candidates_shape_and_a_float_dtype(bad, match):
+    from fxbudget.kernel import RuleContractError
+
+    with pytest.raises(RuleContractError, match="rule 'scored': .*" + match):
+        _one_call(bad, [0, 1], 1)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_nan_score_ranks_lowest_among_tokens(sign):
+    nan = math.copysign(math.nan, sign)
+    assert torch.signbit(torch.tensor(nan)) == (sign < 0)
+    # Full cache: the NaN slot goes first, whatever its sign (+NaN used to outrank every score, +inf included).
+    assert _one_call(_scores([5.0, nan, 3.0]), [0, 1], 1) == [0, 2]
+    # Empty slots go before a NaN token (-NaN used to rank below the empty slots' -inf and lose the token).
+    assert _one_call(_scores([0.0, 0.0, 0.0, 0.0, nan, 1.0]), [-1, -1, -1, -1], 2) == [0, 1]
+
+
+def test_float64_scores_rank_in_float32():
+    # Documented (kernel.rule_region): scores are ranked in float32, so these two tie and the newer token wins.
+    assert _one_call(_scores([1.0 + 1e-12, 1.0], torch.float64), [0], 1, dtype=torch.float64) == [1]

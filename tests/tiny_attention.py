@@ -21,9 +21,10 @@ class Output:
 
 class OneLayer(nn.Module):
     """Embedding, one GQA attention layer (2 query heads, 1 KV head), output head. `cross=True` adds an SDPA over
-    a fixed memory that no cache feeds (it must be left alone)."""
+    a fixed memory that no cache feeds (it must be left alone). `sdpa(q, k, v)` replaces the plain SDPA call (e.g. to
+    pass a mask or a scale)."""
 
-    def __init__(self, vocab: int = 16, cross: bool = False, use_sdpa: bool = True):
+    def __init__(self, vocab: int = 16, cross: bool = False, use_sdpa: bool = True, sdpa=None):
         super().__init__()
         torch.manual_seed(0)
         self.config = None  # a plain module: fxbudget.compile skips the HF config checks
@@ -32,6 +33,7 @@ class OneLayer(nn.Module):
         self.out = nn.Linear(8, vocab, bias=False)
         self.memory = nn.Parameter(torch.randn(1, 2, 3, 4)) if cross else None
         self.use_sdpa = use_sdpa
+        self.sdpa = sdpa or F.scaled_dot_product_attention
 
     def forward(self, input_ids, past_key_values=None, use_cache=True, **kwargs):
         x = self.emb(input_ids)
@@ -42,7 +44,7 @@ class OneLayer(nn.Module):
         k, v = past_key_values.update(k, v, 0)
         k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
         if self.use_sdpa:
-            y = F.scaled_dot_product_attention(q, k, v)
+            y = self.sdpa(q, k, v)
         else:  # attention written by hand: nothing for fxbudget to rewrite
             y = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
         if self.memory is not None:

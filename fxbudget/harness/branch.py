@@ -19,7 +19,7 @@ from ..api import compile as fx_compile
 from ..backend import kernel_window
 from ..cache import MARKER_TENSORS, BudgetCache
 from ..eager import recording
-from ..kernel import DEFAULT_WINDOW, SIGNAL_NAMES, TOTALED, budget_attention, evict, rule_region, signal_totals
+from ..kernel import DEFAULT_BLOCK, DEFAULT_WINDOW, SIGNAL_NAMES, TOTALED, budget_attention, evict, rule_region, signal_totals
 from ..rules import Rule, get
 from ..rules.base import Signals
 
@@ -53,15 +53,18 @@ class SharedPrefill:
     logits: Tensor
     n: int
     window: int
+    block: int
 
 
-def shared_prefill(model: nn.Module, input_ids: Tensor, *, window: int = DEFAULT_WINDOW) -> SharedPrefill:
+def shared_prefill(model: nn.Module, input_ids: Tensor, *, window: int = DEFAULT_WINDOW,
+                   block: int | None = DEFAULT_BLOCK) -> SharedPrefill:
     """Run `model` once on `input_ids` (unmodified HF causal LM, one call on an empty cache) and record it.
 
     Args:
         model: the unmodified model (not compiled by fxbudget); it runs fxbudget's eager kernel.
         input_ids: `[batch, n]`, the whole prefill in one call.
         window: the observation window the recorded signals use; rules with another window replay the kernel.
+        block: the kernel's query block (branched caches equal separate runs with the same block).
     Returns:
         A `SharedPrefill`. It holds every layer's queries and new keys/values (memory ~ n x layers x heads).
     """
@@ -69,15 +72,15 @@ def shared_prefill(model: nn.Module, input_ids: Tensor, *, window: int = DEFAULT
     recorder = _Recorder(window=window)
     # One slot per layer: what the record cache keeps does not matter (only its sliding layers are reused), and the
     # new tokens' signals do not depend on the number of empty slots; fewer slots make the recorded forward cheaper.
-    fx_compile(model, rule=recorder, budget=1, backend=None)
+    fx_compile(model, rule=recorder, budget=1, backend=None, block=block)
     try:
         cache = model.forward.new_cache(input_ids.shape[0])
         with torch.no_grad(), recording() as calls:
-            out = model(input_ids=input_ids, past_key_values=cache, logits_to_keep=1)
+            out = model(input_ids=input_ids, cache=cache, logits_to_keep=1)  # fxbudget takes either name
     finally:
         model.forward.restore()
     return SharedPrefill(calls=calls, signals=recorder.signals, cache=cache, logits=out.logits[:, -1], n=n,
-                         window=window)
+                         window=window, block=block)
 
 
 def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str) -> None:
@@ -105,7 +108,7 @@ def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str) -> None
                 budget_attention(query, layer.keys, layer.values, layer.pos, layer.state, layer.norms,
                                  layer.totals, t[_K], t[_V], t[_P], layer.inv_freq,
                                  rule=sliding_rule if layer.sliding else rule, budget=layer.budget, keep=layer.keep,
-                                 sliding=layer.sliding, window=window, scale=scale)
+                                 sliding=layer.sliding, window=window, scale=scale, block=prefill.block)
                 if not layer.sliding:
                     next(signals)
                 continue
@@ -116,6 +119,7 @@ def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str) -> None
                 continue
             rec = next(signals)
             _evict_from_signals(rec, layer, rule, window, t[_V])
+    cache.next_pos.copy_(prefill.cache.next_pos)
 
 
 def _evict_from_signals(rec: dict, layer, rule: Rule, window: int, v_new: Tensor) -> None:

@@ -4,7 +4,10 @@ For each `scaled_dot_product_attention` node of a Dynamo graph, the key argument
 views, slicing, dtype moves) to the `fxbudget::candidates` marker emitted by `BudgetCache.update`. The node is then
 replaced by the kernel's three phases (`measure`, `rule_region`, `evict`), each traced to core aten ops with `make_fx`
 and inlined; rule ops are tagged `node.meta["fxbudget_region"] = "rule"` (what `kernel_fingerprint` abstracts). The
-marker, the repeat_kv chain and the mask then have no users and are removed; in-place state updates are kept.
+marker and the repeat_kv chain then have no users and are removed; in-place state updates are kept.
+
+Each spliced kernel node also carries its integer arguments in `node.meta["fxbudget_ints"]`, those that grow with the
+layer's budget written as `BudgetInt` (what `graph_fingerprint` hashes instead of the raw values).
 """
 
 from __future__ import annotations
@@ -19,23 +22,27 @@ import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
 from ..cache import MARKER_TENSORS  # importing cache also registers the marker op
-from ..kernel import SIGNAL_NAMES, evict, measure, rule_region
+from ..kernel import DEFAULT_BLOCK, SIGNAL_NAMES, evict, measure, rule_region
+from ..rule_contract import RuleContractError, rule_name, storage_id, written_args
 from ..rules.base import Rule
+from ..sdpa_args import bind, check
 
 log = logging.getLogger("fxbudget")
 
 MARKERS = (torch.ops.fxbudget.candidates, torch.ops.fxbudget.candidates.default)
 REGION_KEY = "fxbudget_region"
+INTS_KEY = "fxbudget_ints"
 _VIEW_METHODS = {"expand", "reshape", "view", "contiguous", "to", "repeat_interleave", "unsqueeze", "__getitem__"}
 _VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.unsqueeze, torch.repeat_interleave}
 
 
 @dataclass
 class RewriteReport:
-    rewritten: list[str] = field(default_factory=list)  # the rewritten SDPA nodes
+    rewritten: list[int] = field(default_factory=list)  # layer index of each rewritten SDPA node
     untouched: list[str] = field(default_factory=list)  # SDPA nodes not fed by a BudgetCache (cross-attention, ...)
 
 
@@ -90,7 +97,9 @@ def _splice(gm: fx.GraphModule, sub: fx.GraphModule, inputs: list[fx.Node], befo
 
 
 def _trace(fn, fakes, mode: FakeTensorMode) -> fx.GraphModule:
-    with mode:
+    # Outside Dynamo's tracing context: the kernel's own fake mode (and its shape environment, which holds the
+    # scan's unbacked block bounds) must be the one make_fx finds, not the one of the graph being compiled.
+    with torch._guards.tracing(None), mode:
         return make_fx(fn, tracing_mode="real")(*fakes)
 
 
@@ -108,48 +117,141 @@ class KernelTrace:
     evict: fx.GraphModule
 
 
-def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
-                 scale: float | None) -> KernelTrace:
-    """Trace `measure`, `rule_region` and `evict` on fake tensors shaped like the example values `ev`."""
-    mode = FakeTensorMode()
-    with mode:
-        fake = {k: torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
-                for k, v in ev.items()}
-    phase1 = functools.partial(measure, window=window, sliding=sliding, scale=scale)
+@dataclass(frozen=True)
+class BudgetInt:
+    """An integer argument of a kernel op that grows with the layer's budget: `per_slot * slots + offset`."""
+
+    per_slot: int
+    offset: int
+
+    def __repr__(self) -> str:
+        return f"{self.per_slot}*S{self.offset:+d}"
+
+
+def _ints(node: fx.Node) -> list[int]:
+    """The node's integer arguments (bools excluded), args then kwargs, in `torch.fx.node.map_aggregate` order."""
+    out: list[int] = []
+
+    def visit(a):
+        if isinstance(a, int) and not isinstance(a, bool):
+            out.append(a)
+        return a
+
+    torch.fx.node.map_aggregate(node.args, visit)
+    torch.fx.node.map_aggregate(node.kwargs, visit)
+    return out
+
+
+def _mark_budget_ints(base: fx.GraphModule, grown: fx.GraphModule, slots: int) -> None:
+    """Store each node's ints in `meta[INTS_KEY]`, with those that change between `base` and `grown` (the same phase
+    traced with one more slot and one more kept entry) as `BudgetInt`. If the two graphs differ in structure (a
+    size-dependent code path), the ints stay literal: the fingerprint then differs across budgets, never hides a
+    difference."""
+    a, b = list(base.graph.nodes), list(grown.graph.nodes)
+    same = len(a) == len(b) and all(x.op == y.op and x.target == y.target and len(_ints(x)) == len(_ints(y))
+                                    for x, y in zip(a, b))
+    for i, x in enumerate(a):
+        ints = _ints(x)
+        if same:
+            ints = [v if w == v else BudgetInt(w - v, v - (w - v) * slots) for v, w in zip(ints, _ints(b[i]))]
+        x.meta[INTS_KEY] = ints
+        sub = getattr(base, x.target) if x.op == "get_attr" else None
+        if isinstance(sub, fx.GraphModule):  # a higher-order op's body (measure's scan over query blocks)
+            _mark_budget_ints(sub, getattr(grown, b[i].target) if same else sub, slots)
+
+
+def _grown(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """An empty tensor like `t` (same dtype, device, stride order) with one more element along `dim`."""
+    shape = list(t.shape)
+    shape[dim] += 1
+    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))  # outermost first, as laid out in memory
+    return torch.empty([shape[i] for i in order], dtype=t.dtype, device=t.device).permute(
+        [order.index(i) for i in range(t.dim())])
+
+
+def _check_pure(gm: fx.GraphModule, rule: Rule) -> None:
+    """The traced rule region must not write a signal (a backstop: `rule_region` refuses it while tracing)."""
+    inputs = {storage_id(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"}
+    for node in gm.graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable and any(
+                isinstance(a, fx.Node) and storage_id(a.meta["val"]) in inputs
+                for a in written_args(node.target, node.args, node.kwargs)):
+            raise RuleContractError(f"rule {rule_name(rule)!r} writes a signal tensor in place "
+                                    f"({node.target}): a rule must be a pure function of the signals")
+
+
+def _trace_phases(fake: dict, rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
+                  scale: float | None, block: int, mode: FakeTensorMode) -> KernelTrace:
+    phase1 = functools.partial(measure, window=window, sliding=sliding, scale=scale, block=block, traced=True)
     phase2 = functools.partial(rule_region, rule, budget, min(window, fake["k_new"].shape[2]))
     phase3 = functools.partial(evict, keep=keep)
-    with mode:
-        _, f_totals, *f_signals = phase1(*[fake[a] for a in _MEASURE_ARGS])
-        f_score = phase2(*f_signals)
+    # Each phase is traced once; the next phase is traced on the fake values of the previous one's outputs (running
+    # measure a second time would mint new unbacked sizes for its scan).
+    traced_measure = _trace(phase1, [fake[a] for a in _MEASURE_ARGS], mode)
+    _, f_totals, *f_signals = _output_values(traced_measure)
+    traced_rule = _trace(phase2, f_signals, mode)
+    f_score = _output_values(traced_rule)
     f_sig = dict(zip(SIGNAL_NAMES, f_signals))
     return KernelTrace(
-        _trace(phase1, [fake[a] for a in _MEASURE_ARGS], mode),
-        _trace(phase2, f_signals, mode),
+        traced_measure, traced_rule,
         _trace(phase3, [f_score, *[f_sig[a] for a in _EVICT_SIGNALS], f_totals, *[fake[a] for a in _EVICT_ARGS]],
                mode))
 
 
-def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule) -> RewriteReport:
+def _output_values(gm: fx.GraphModule):
+    """The fake values a traced graph returns (make_fx records them as node metadata)."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    return pytree.tree_map(lambda x: x.meta["val"] if isinstance(x, fx.Node) else x, out)
+
+
+_SLOT_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms")  # slot dim 2
+
+
+def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
+                 scale: float | None, block: int | None = DEFAULT_BLOCK) -> KernelTrace:
+    """Trace `measure`, `rule_region` and `evict` on fake tensors shaped like the example values `ev`.
+
+    `measure` and `evict` are traced a second time with one more slot and `keep + 1`, to find which of their integer
+    arguments grow with the budget (`_mark_budget_ints`).
+    """
+    # A shape environment for the data-dependent block bounds inside measure's scan (unbacked sizes).
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        fake = {k: torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
+                for k, v in ev.items()}
+        grown = {k: _grown(v, 2) if k in _SLOT_TENSORS else v for k, v in fake.items()}
+    kt = _trace_phases(fake, rule, budget=budget, keep=keep, sliding=sliding, window=window, scale=scale,
+                       block=block, mode=mode)
+    _check_pure(kt.rule, rule)
+    big = _trace_phases(grown, rule, budget=budget + 1, keep=keep + 1, sliding=sliding, window=window, scale=scale,
+                        block=block, mode=mode)
+    slots = ev["k_slots"].shape[2]
+    _mark_budget_ints(kt.measure, big.measure, slots)
+    _mark_budget_ints(kt.evict, big.evict, slots)
+    return kt
+
+
+def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule,
+            block: int | None = DEFAULT_BLOCK) -> RewriteReport:
     """Replace every marker-fed SDPA node of `gm` in place; returns what was rewritten and what was left alone."""
     report = RewriteReport()
     traces: dict[tuple, KernelTrace] = {}  # layers of one model share shapes: trace once per configuration
     for node in [n for n in gm.graph.nodes if is_sdpa(n)]:
-        args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), node.args))
-        args.update(node.kwargs)
+        args = bind(node.args, node.kwargs)
         marker = find_marker(args["key"], 0)
         if marker is None or find_marker(args["value"], 1) is not marker:
             report.untouched.append(node.name)
             continue
-        if args.get("dropout_p", 0.0):
-            raise RuntimeError("fxbudget: SDPA with dropout (training mode?) cannot use a budget cache; call .eval()")
+        mask = args["attn_mask"]
+        scale = check(args, mask_dtype=_example(mask).dtype if isinstance(mask, fx.Node) else None)
         graph_in = {**dict(zip(MARKER_TENSORS, marker.args)), "q": args["query"]}
-        budget, keep, sliding = marker.args[len(MARKER_TENSORS):]
+        layer, budget, keep, sliding = marker.args[len(MARKER_TENSORS):]
         ev = {name: _example(n) for name, n in graph_in.items()}
         key = (tuple((k, tuple(v.shape), tuple(v.stride()), v.dtype, v.device) for k, v in ev.items()),
-               budget, keep, sliding, args.get("scale"))
+               budget, keep, sliding, scale)
         if key not in traces:
             traces[key] = trace_kernel(ev, sliding_rule if sliding else rule, budget=budget, keep=keep,
-                                       sliding=sliding, window=window, scale=args.get("scale"))
+                                       sliding=sliding, window=window, scale=scale, block=block)
         kt = traces[key]
 
         # Splice each phase before the SDPA node, feeding its outputs to the next phase.
@@ -158,9 +260,9 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule) -> 
         sig = dict(zip(SIGNAL_NAMES, signals))
         _splice(gm, kt.evict, [score, *[sig[a] for a in _EVICT_SIGNALS], totals, *[graph_in[a] for a in _EVICT_ARGS]],
                 node, "evict")
-        report.rewritten.append(node.name)
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
+        report.rewritten.append(layer)
 
     gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
     gm.recompile()

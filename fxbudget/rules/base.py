@@ -31,7 +31,8 @@ class Signals:
         pos: original position of each candidate (`-1` = empty slot).
         queries: this call's queries grouped per KV head, `[batch, kv_heads, group * n, head_dim]`.
         k_slots, k_new: cached keys `[batch, kv_heads, S, head_dim]` and this call's keys (`keys` joins them).
-        new_pos: positions of this call's tokens `[n]`; `step` is the total seen after the call.
+        new_pos: positions of this call's tokens `[batch, n]` (-1 = a pad, never visible nor kept); `step` is the
+            number of positions each row has seen after the call, `[batch, 1, 1]` (broadcasts against `[b, h, C]`).
         inv_freq: the layer's RoPE inverse frequencies `[head_dim // 2]` (NaN if the model's RoPE is not the default
             kind); `queries` and keys are post-RoPE.
         budget: the number of slots the layer keeps (a Python int, fixed at compile time).
@@ -55,8 +56,8 @@ class Signals:
 
     @property
     def step(self) -> Tensor:
-        """Total tokens seen after this call (0-d long tensor): the newest position + 1."""
-        return self.new_pos[-1] + 1
+        """Positions seen by each row after this call, `[batch, 1, 1]` (long): the row's newest position + 1."""
+        return (self.new_pos.amax(dim=-1) + 1).view(-1, 1, 1)
 
     @property
     def keys(self) -> Tensor:
@@ -91,9 +92,10 @@ class Rule:
     never_evicts: ClassVar[bool] = False  # True for `full`: a call that would overflow the budget is an error
     needs_rope: ClassVar[bool] = False  # True if `score` reads `inv_freq`: models without default RoPE are refused
 
-    def layer_budgets(self, budget: int, n_layers: int) -> list[int] | None:
+    def layer_budgets(self, budget: int, n_layers: int, prompt: int | None = None) -> list[int] | None:
         """Per-layer budgets for the `n_layers` budgeted layers (None = `budget` for all); must sum to
-        `n_layers * budget`, so every rule holds the same memory."""
+        `n_layers * budget`, so every rule holds the same memory. `prompt` is the prefill length when it is known
+        as the cache is sized (None otherwise), for schedules that adapt to it."""
         return None
 
     def score(self, s: Signals) -> Tensor:

@@ -41,33 +41,35 @@ class ExpectedAttention(Rule):
 
     def score(self, s: Signals) -> Tensor:
         b, h, gn, d = s.queries.shape
-        n = s.new_pos.shape[0]
+        n = s.new_pos.shape[-1]
         g = gn // n
         q = s.queries.float().view(b, h, g, n, d)
-        # Undo RoPE: the queries were rotated by their own positions.
-        theta = s.new_pos.float().unsqueeze(-1) * s.inv_freq.float()
-        cos, sin = torch.cat([theta.cos()] * 2, dim=-1), torch.cat([theta.sin()] * 2, dim=-1)
+        # Undo RoPE: the queries were rotated by their own positions (per row: rows may be padded differently).
+        theta = s.new_pos.float().unsqueeze(-1) * s.inv_freq.float()  # [b, n, d/2]
+        cos, sin = (torch.cat([f(theta)] * 2, dim=-1).view(b, 1, 1, n, d) for f in (torch.cos, torch.sin))
         q = q * cos - _rotate_half(q) * sin
-        use = (s.new_pos >= self.n_sink).float()
-        use = torch.where(use.sum() > 0, use, torch.ones_like(use)).view(1, 1, 1, n, 1)  # all sinks: use them all
-        mu = (q * use).sum(dim=3) / use.sum()  # [b, h, g, d]
+        use = (s.new_pos >= self.n_sink).float()  # pads (-1) and sinks excluded
+        use = torch.where(use.sum(-1, keepdim=True) > 0, use, (s.new_pos >= 0).float())  # all sinks: use them all
+        count = use.sum(-1).clamp(min=1).view(b, 1, 1, 1)
+        use = use.view(b, 1, 1, n, 1)
+        mu = (q * use).sum(dim=3) / count  # [b, h, g, d]
         # The RoPE rotation averaged over the next positions: R = diag(cos) + diag(sin) P, with P x = rotate_half(x).
-        future = s.step + torch.arange(self.n_future_positions, device=q.device)
-        phi = future.float().unsqueeze(-1) * s.inv_freq.float()
-        c, sn = torch.cat([phi.cos().mean(0)] * 2), torch.cat([phi.sin().mean(0)] * 2)
+        future = s.step.view(b, 1) + torch.arange(self.n_future_positions, device=q.device)
+        phi = future.float().unsqueeze(-1) * s.inv_freq.float()  # [b, future, d/2]
+        c, sn = (torch.cat([f(phi).mean(1)] * 2, dim=-1) for f in (torch.cos, torch.sin))  # [b, d]
         eye = torch.eye(d, device=q.device)
-        R = c.unsqueeze(1) * eye + sn.unsqueeze(1) * _rotate_half(eye).T
-        mu = mu @ R.T
+        R = (c.unsqueeze(-1) * eye + sn.unsqueeze(-1) * _rotate_half(eye).T).unsqueeze(1)  # [b, 1, d, d]
+        mu = mu @ R.transpose(-1, -2)
         keys = s.keys.float()  # [b, h, C, d]
         z = torch.einsum("bhgd,bhcd->bhgc", mu, keys) / math.sqrt(d)
         if self.use_covariance:
-            centred = (q - (q * use).sum(dim=3, keepdim=True) / use.sum()) * use
+            centred = (q - (q * use).sum(dim=3, keepdim=True) / count.unsqueeze(-1)) * use
             if n < d:  # k^T (R S R^T) k = |centred R^T k|^2 / N: rank n, cheaper than the d x d form (decode: n = 1)
                 proj = torch.einsum("bhgnd,bhcd->bhgnc", centred, keys @ R)
-                z = z + proj.square().sum(dim=3) / use.sum() / (2 * d)
+                z = z + proj.square().sum(dim=3) / count / (2 * d)
             else:
-                cov = torch.einsum("bhgnd,bhgne->bhgde", centred, centred) / use.sum()
-                cov = R @ cov @ R.T
+                cov = torch.einsum("bhgnd,bhgne->bhgde", centred, centred) / count.unsqueeze(-1)
+                cov = R.unsqueeze(1) @ cov @ R.transpose(-1, -2).unsqueeze(1)
                 z = z + torch.einsum("bhcd,bhgde,bhce->bhgc", keys, cov, keys) / (2 * d)
         scoreable = (s.pos >= self.n_sink).unsqueeze(2)
         p = torch.softmax(z.masked_fill(~scoreable, float("-inf")), dim=-1).nan_to_num(0.0).mean(dim=2)

@@ -25,6 +25,8 @@ class SnapKV(Rule):
     pooling: str = "max"
 
     def __post_init__(self):
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"{self.name} window must be an int >= 1, got {self.window!r}")
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"snapkv pooling must be 'max' or 'avg', got {self.pooling!r}")
         if self.kernel < 1 or self.kernel % 2 == 0:

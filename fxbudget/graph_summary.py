@@ -1,0 +1,88 @@
+"""What `fxbudget inspect` prints: per layer, the SDPA calls found and rewritten; the kernel fingerprint; one
+layer's kernel region (`measure`, the rule's ops, `evict`) as code, or the whole rewritten graph."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+from .api import _captured_graphs, kernel_fingerprint, model_cache
+from .backend import REWRITE_KEY
+from .passes.sdpa import REGION_KEY
+from .rules import Rule, get
+
+
+def kernel_regions(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """The spliced kernel of each rewritten SDPA call, in graph order (the order of `RewriteReport.rewritten`)."""
+    regions: list[list[fx.Node]] = []
+    prev = None
+    for node in gm.graph.nodes:
+        phase = node.meta.get(REGION_KEY)
+        if phase is None:
+            prev = None
+            continue
+        if prev is None or (phase == "measure" and prev != "measure"):  # a new layer's kernel starts
+            regions.append([])
+        regions[-1].append(node)
+        prev = phase
+    return regions
+
+
+def region_code(gm: fx.GraphModule, nodes: list[fx.Node]) -> str:
+    """`nodes` as the code of a standalone graph: their outside inputs become arguments, values used after them
+    are returned."""
+    inside = set(nodes)
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+    graph = fx.Graph()
+    env = {a: graph.placeholder(a.name) for a in inputs}
+    for n in nodes:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(tuple(env[n] for n in nodes if any(u not in inside for u in n.users)))
+    return fx.GraphModule(gm, graph).code.strip()
+
+
+def summary(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "snapkv", budget: int = 64,
+            layer: int | None = None, full: bool = False, **rule_params) -> str:
+    """The inspect report for one forward of `model` (left unmodified) on `input_ids`.
+
+    Args:
+        model: an HF causal LM using SDPA. input_ids: the traced input (its length fixes the graph's shapes).
+        rule, budget, **rule_params: as for `fxbudget.compile`.
+        layer: whose kernel region to print (default: the first full-attention layer).
+        full: print the whole rewritten graph instead of one layer's region.
+    Returns:
+        Text: a table of layers, the totals, the fingerprint, then code.
+    """
+    rule = get(rule, **rule_params)
+    cache = model_cache(model, rule, budget, input_ids.shape[0])
+    graphs = _captured_graphs(model, input_ids, rule, budget, cache, {})
+    lines = [f"# rule {rule}, budget {budget}, {input_ids.shape[1]} traced tokens",
+             "# layer  attention  kept slots  SDPA rewritten"]
+    rewritten, untouched, regions = [], [], []
+    for gm in graphs:
+        report = gm.meta[REWRITE_KEY]
+        rewritten += report.rewritten
+        untouched += report.untouched
+        regions += kernel_regions(gm)
+    for i, cache_layer in enumerate(cache.layers):
+        kind = f"sliding {cache_layer.sliding}" if cache_layer.sliding else "full"
+        lines.append(f"# {i:5d}  {kind:<9}  {cache_layer.budget:10d}  {rewritten.count(i):14d}")
+    names = f" ({', '.join(untouched)})" if untouched else ""
+    lines.append(f"# SDPA calls found: {len(rewritten) + len(untouched)}, rewritten: {len(rewritten)}, left unchanged "
+                 f"(not fed by a BudgetCache): {len(untouched)}{names}")
+    # The one definition of the fingerprint (its own trace: a call spanning query blocks, then a decode step).
+    lines.append(f"# kernel fingerprint (rule ops masked): {kernel_fingerprint(model, input_ids, rule=rule, budget=budget)}")
+    if full:
+        lines.append("# the whole rewritten graph:")
+        lines += [gm.code.strip() for gm in graphs]
+        return "\n".join(lines)
+    if layer is None:
+        layer = next((i for i in rewritten if not cache.layers[i].sliding), rewritten[0] if rewritten else None)
+    if layer not in rewritten:
+        raise ValueError(f"layer {layer} has no rewritten attention; rewritten layers: {sorted(set(rewritten))}")
+    gm = graphs[0] if len(graphs) == 1 else None
+    if gm is None:
+        raise ValueError("the forward traced into several graphs: use --full")
+    lines.append(f"# layer {layer}'s kernel (measure, the rule's ops, evict); --full prints the whole graph:")
+    lines.append(region_code(gm, regions[rewritten.index(layer)]))
+    return "\n".join(lines)
