@@ -434,13 +434,16 @@ def test_decoder_layers_share_compiled_regions(arch, rule, regions):
 
 @pytest.mark.inductor
 def test_torch_compile_with_the_registered_backend():
-    # The whole-model path: `torch.compile(model, backend="fxbudget")` traces every layer into one graph.
+    # The whole-model path: `torch.compile(model, backend="fxbudget")` traces every layer into one graph. The model
+    # must build no attention mask (the kernel computes visibility from positions): fxbudget's attention
+    # implementation, registered on import.
     from conftest import fresh
 
     model = tiny_model("llama", layers=2)
     ids = torch.randint(0, 96, (1, 10))
     ref = fxbudget.compile(fresh(model), rule="snapkv", budget=6, backend=None)
     ref_cache, cache = ref.forward.new_cache(), fxbudget.BudgetCache(model.config, 6)
+    model.set_attn_implementation("fxbudget_sdpa")
     compiled = torch.compile(model, backend="fxbudget", fullgraph=True)
     with torch.no_grad():
         expected = ref(input_ids=ids, past_key_values=ref_cache).logits
