@@ -126,7 +126,7 @@ def frozen_runner(model: nn.Module, backend: str, window: int, *, block: int | N
     """
     forward = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
     return compiled_forward(model, forward, make_backend("window", inner=backend, on_graph=on_graph, block=block,
-                                                         cudagraphs=cudagraphs, window=window))
+                                                         cudagraphs=cudagraphs, observation_window=window))
 
 
 def bucket_length(n: int, buckets: tuple[int, ...] = ()) -> int:

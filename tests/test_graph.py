@@ -432,6 +432,15 @@ def test_decoder_layers_share_compiled_regions(arch, rule, regions):
     assert [_kernels(gm) for gm in graphs] == [1] * len(graphs)
 
 
+def test_backend_window_is_the_rules_parameter():
+    # `window=` is a rule parameter (snapkv's window, hence the kernel's observation window); the frozen runner's
+    # override of the kernel window has its own name, so it cannot swallow the rule's.
+    backend = fxbudget.make_backend("snapkv", inner="eager", window=8)
+    assert backend.rule.window == 8 and backend.window == 8
+    backend = fxbudget.make_backend("window", inner="eager", observation_window=8)
+    assert backend.rule.name == "window" and backend.window == 8
+
+
 @pytest.mark.inductor
 def test_torch_compile_with_the_registered_backend():
     # The whole-model path: `torch.compile(model, backend="fxbudget")` traces every layer into one graph. The model
