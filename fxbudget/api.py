@@ -243,6 +243,10 @@ class BudgetForward:
         x = kwargs[name]
         n = x.shape[1]
         pads = self.bucket(n, frozen=cache._frozen) - n
+        # Another per-token input than those padded below: run at the call's own length (one more graph, exact).
+        per_token = {k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] == n}
+        if per_token - {name, "position_ids", "labels"}:
+            pads = 0
         if cache.call.pos is not None:  # a fresh tensor: a chunk's slice has the whole prompt's strides (a guard)
             cache.call.pos = cache.call.pos.clone(memory_format=torch.contiguous_format)
         if not pads or cache.call.pos is None:
@@ -253,10 +257,18 @@ class BudgetForward:
         kwargs[name] = torch.cat([x.new_zeros(x.shape[0], pads, *x.shape[2:]), x], dim=1)
         if kwargs.get("position_ids") is not None:
             kwargs["position_ids"] = F.pad(kwargs["position_ids"], (pads, 0), value=0)
+        if kwargs.get("labels") is not None:
+            # Ignored (-100) labels for the pads and the first real token, which the last pad's logits would predict:
+            # the loss keeps exactly the terms of the unpadded call.
+            labels = F.pad(kwargs["labels"], (pads, 0), value=-100)
+            labels[:, pads] = -100
+            kwargs["labels"] = labels
         cache.call.pos = F.pad(cache.call.pos, (pads, 0), value=-1)
         out = run(**kwargs)
         if out.logits.shape[1] > n:  # every position's logits were asked for: drop the pads'
             out.logits = out.logits[:, -n:]
+        if getattr(out, "hidden_states", None) is not None:
+            out.hidden_states = tuple(h[:, -n:] for h in out.hidden_states)
         return out
 
     def _run_eager(self, *args, **kwargs):

@@ -98,6 +98,30 @@ def decoder_layers(model: nn.Module) -> list[nn.Module] | None:
     return list(layers)
 
 
+@contextlib.contextmanager
+def _collector_readable():
+    """transformers' output-capturing hooks (`output_hidden_states=`, `output_attentions=`) read a ContextVar, which
+    Dynamo cannot trace; the outer forward sets it eagerly, so for the duration of a compiled layer the collector
+    serves its current value as the plain attribute it uses while compiling."""
+    collector = _output_collector()
+    if collector is None or getattr(collector, "compiling", True):
+        yield
+        return
+    collector.global_var, collector.compiling = collector.get(), True
+    try:
+        yield
+    finally:
+        collector.global_var, collector.compiling = None, False
+
+
+def _output_collector():
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return None
+    return getattr(output_capturing, "_active_collector", None)
+
+
 class CompiledLayers:
     """Decoder layers whose forwards run compiled regions while `installed()`; one code object per configuration."""
 
@@ -118,7 +142,8 @@ class CompiledLayers:
                 raise RuntimeError(f"fxbudget: decoder layer {i} was called without the BudgetCache as a keyword "
                                    f"argument ({' or '.join(_CACHE_KWARGS)}); it cannot be compiled per layer")
             cache_layer = kwargs[name].layers[i]
-            return self.region(layer, cache_layer)(layer, args, {**kwargs, name: LayerCacheView(cache_layer)})
+            with _collector_readable():
+                return self.region(layer, cache_layer)(layer, args, {**kwargs, name: LayerCacheView(cache_layer)})
 
         return forward
 

@@ -123,14 +123,18 @@ def test_bucket_padding_equals_the_unpadded_eager_run(rule):
         m = fxbudget.compile(model, rule=rule, budget=48, backend=backend, chunk_size=40, headroom=8)
         cache = m.forward.new_cache()
         with torch.no_grad():
-            prefill = m(input_ids=ids, past_key_values=cache, logits_to_keep=0).logits  # every position's logits
+            out = m(input_ids=ids, past_key_values=cache, logits_to_keep=0, output_hidden_states=True)
+            prefill, hidden = out.logits, out.hidden_states[-1]  # every position's logits; the last chunk's states
             with cache.frozen():
                 logits, _ = greedy(m, question, 2, cache=cache)
         runs[backend] = prefill, logits, [cache.positions(i) for i in range(len(cache.layers))], cache.tokens_seen
+        runs[backend, "hidden"] = hidden
         graphs = m.forward.graphs
         m.forward.restore()
     (ref_prefill, ref_logits, ref_pos, ref_seen), (prefill, logits, pos, seen) = runs[None], runs["aot_eager"]
     assert prefill.shape[1] == 115 and (prefill - ref_prefill).abs().max().item() <= 1e-4
+    hidden, ref_hidden = runs["aot_eager", "hidden"], runs[None, "hidden"]
+    assert hidden.shape[1] == 35 and (hidden - ref_hidden).abs().max().item() <= 1e-4
     assert (logits - ref_logits).abs().max().item() <= 1e-4
     assert all(torch.equal(a, b) for a, b in zip(pos, ref_pos)) and seen == ref_seen == 122
     # Each graph is one decoder layer's region: its first input is the hidden states, [batch, length, hidden].
