@@ -130,8 +130,8 @@ def frozen_runner(model: nn.Module, backend: str, window: int, *, block: int | N
 
 
 def bucket_length(n: int, buckets: tuple[int, ...] = ()) -> int:
-    """The smallest of `buckets` that holds `n` tokens, else `n` rounded up to a quarter of its power of two (at
-    least 16): at most a quarter more tokens, four lengths per doubling."""
+    """The smallest of `buckets` that holds `n` tokens, else `n` rounded up to a quarter of its power of two, at least
+    16: from 64 tokens on, at most a quarter more tokens (four lengths per doubling); below, a multiple of 16."""
     fits = [b for b in buckets if b >= n]
     if fits:
         return min(fits)
