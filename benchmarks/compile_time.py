@@ -40,6 +40,7 @@ def _nested_runner(forward, model, rule, graphs):
     from torch import fx
 
     from fxbudget.backend import kernel_window
+    from fxbudget.cache_arg import NAMES as CACHE_NAMES
     from fxbudget.passes.sdpa import rewrite
     from fxbudget.regions import LayerCacheView, whole_model_forward
     from fxbudget.rules import get
@@ -55,10 +56,11 @@ def _nested_runner(forward, model, rule, graphs):
         return compile_fx(gm, example_inputs, config_patches={"reorder_for_locality": False})
 
     region = torch.compiler.nested_compile_region(
-        lambda layer, view, *args, **kwargs: type(layer).forward(layer, *args, past_key_values=view, **kwargs))
+        lambda layer, name, view, *args, **kwargs: type(layer).forward(layer, *args, **{name: view}, **kwargs))
     for i, layer in enumerate(model.model.layers):
-        def fwd(*args, _layer=layer, _i=i, past_key_values=None, **kwargs):
-            return region(_layer, LayerCacheView(past_key_values.layers[_i]), *args, **kwargs)
+        def fwd(*args, _layer=layer, _i=i, **kwargs):
+            name = next(k for k in CACHE_NAMES if kwargs.get(k) is not None)  # `cache` from transformers 5.24
+            return region(_layer, name, LayerCacheView(kwargs.pop(name).layers[_i]), *args, **kwargs)
 
         layer.forward = fwd
     return whole_model_forward(forward, backend)
@@ -69,6 +71,7 @@ def _child(a) -> dict:
 
     import fxbudget
     from fxbudget.backend import make_backend
+    from fxbudget.cache_arg import output_cache
     from fxbudget.regions import whole_model_forward
 
     setup_threads(1)
@@ -104,7 +107,7 @@ def _child(a) -> dict:
     with torch.no_grad():
         torch.compile(lambda x: x * 2 + 1)(torch.ones(4, device=a.device))  # Inductor's one-time start-up
         out, w1, c1 = clock(lambda: m(input_ids=ids))
-        cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        cache, tok = output_cache(out), out.logits[:, -1:].argmax(-1)
         _, w2, c2 = clock(lambda: m(input_ids=tok, past_key_values=cache))
         _, w3, c3 = clock(lambda: m(input_ids=ids))  # the same shapes again: no compile
         _, w4, c4 = clock(lambda: m(input_ids=tok, past_key_values=cache))

@@ -60,6 +60,7 @@ def _fill_budget(cache, ctx: int, gen) -> None:
         layer.norms[..., 0].copy_(layer.keys.norm(dim=-1))
         layer.norms[..., 1].copy_(layer.values.norm(dim=-1))
         layer.seen.fill_(ctx)
+    cache.next_pos.fill_(ctx)  # the next token's position (RoPE and visibility): after every slot's
     cache.admit(cache.budget)
 
 
@@ -82,6 +83,7 @@ def _child(a) -> dict:
     from transformers import DynamicCache, StaticCache
 
     import fxbudget
+    from fxbudget.cache_arg import cache_kwargs
 
     setup_threads(1)
     tune_malloc()
@@ -115,7 +117,7 @@ def _child(a) -> dict:
         static_forward = torch.compile(model.forward, fullgraph=True, **({"mode": "reduce-overhead"} if cuda else {}))
 
         def static_step():
-            static_forward(input_ids=nxt, past_key_values=static, use_cache=True, logits_to_keep=1)
+            static_forward(input_ids=nxt, use_cache=True, logits_to_keep=1, **cache_kwargs(model.forward, static))
 
         def static_reset():
             for layer in static.layers:
@@ -145,7 +147,8 @@ def _child(a) -> dict:
             d = dyn[c]
             for layer in d.layers:  # back to `c` tokens: the step's cost stays that of a `c`-token context
                 layer.keys, layer.values = layer.keys[..., :c, :], layer.values[..., :c, :]
-            return timed(lambda: model(input_ids=nxt, past_key_values=d, use_cache=True, logits_to_keep=1), a.device)
+            kw = cache_kwargs(model.forward, d)
+            return timed(lambda: model(input_ids=nxt, use_cache=True, logits_to_keep=1, **kw), a.device)
 
         def static_timed():
             static_reset()
