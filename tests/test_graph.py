@@ -441,11 +441,10 @@ def test_backend_window_is_the_rules_parameter():
     assert backend.rule.name == "window" and backend.window == 8
 
 
-@pytest.mark.inductor
 def test_torch_compile_with_the_registered_backend():
     # The whole-model path: `torch.compile(model, backend="fxbudget")` traces every layer into one graph. The model
     # must build no attention mask (the kernel computes visibility from positions): fxbudget's attention
-    # implementation, registered on import.
+    # implementation, registered on import. `options` reach the backend: aot_eager instead of Inductor (slow).
     from conftest import fresh
 
     model = tiny_model("llama", layers=2)
@@ -453,7 +452,7 @@ def test_torch_compile_with_the_registered_backend():
     ref = fxbudget.compile(fresh(model), rule="snapkv", budget=6, backend=None)
     ref_cache, cache = ref.forward.new_cache(), fxbudget.BudgetCache(model.config, 6)
     model.set_attn_implementation("fxbudget_sdpa")
-    compiled = torch.compile(model, backend="fxbudget", fullgraph=True)
+    compiled = torch.compile(model, backend="fxbudget", fullgraph=True, options={"inner": "aot_eager"})
     with torch.no_grad():
         expected = ref(input_ids=ids, past_key_values=ref_cache).logits
         got = compiled(input_ids=ids, past_key_values=cache, use_cache=True).logits
