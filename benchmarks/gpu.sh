@@ -5,7 +5,15 @@
 #
 #     bash benchmarks/gpu.sh            # every step; writes results/gpu.md
 #     PY=/path/to/python bash benchmarks/gpu.sh
-#     GPU_STEPS=cross bash benchmarks/gpu.sh   # only step 4 (default GPU_STEPS="layer long cross": every step)
+#     GPU_STEPS=cross bash benchmarks/gpu.sh   # only step 4 (default GPU_STEPS="layer long cross compile": every step)
+#
+# Step 6 (issue 10, items 1 and 4; needs the embedded model; ~10 min, cold Inductor compiles): compile time of the
+# embedded model for one rule (fxbudget's per-layer regions, prefill-chunk + decode graphs, cold then warm,
+# benchmarks/compile_time.py), and the deployment anchor (benchmarks/deploy_decode.py): the decode step of
+# fxbudget.compile(budget=B) with CUDA graphs against transformers' StaticCache of B tokens under
+# torch.compile(mode="reduce-overhead") and the uncompiled DynamicCache at 8K and 32K. With per-layer regions one
+# compiled decode graph serves every layer, each with its own (static) cache tensors: how Inductor's CUDA graph trees
+# record that is what this step shows (not run before a GPU session).
 #
 # Step 5 (issue 9; ~7 min): one-call prefill of the embedded model in bf16 at 32K, 64K and 128K tokens, fxbudget's
 # eager kernel and Inductor against the unmodified model (SDPA with its flash / memory-efficient backend), one process
@@ -32,8 +40,9 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$TMP/inductor}
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))"
 SECONDS=0
-STEPS=${GPU_STEPS:-layer long cross}
+STEPS=${GPU_STEPS:-layer long cross compile}
 : > "$TMP/overhead.md"; : > "$TMP/cve.md"; : > "$TMP/fair.md"; : > "$TMP/cross.md"; : > "$TMP/long.md"
+: > "$TMP/compile.md"; : > "$TMP/deploy.md"
 if [[ " $STEPS " == *" layer "* ]]; then
 # 1. Overhead, decode with CUDA graphs (both sides) and prefill chunks of 1024, budgets up to 16k.
 timeout 240 "$PY" benchmarks/overhead.py --device cuda --cudagraphs --budgets 1024,4096,16384 --chunk 1024 \
@@ -75,11 +84,18 @@ if [[ " $STEPS " == *" long "* ]]; then
   timeout 420 "$PY" benchmarks/long_context.py --device cuda --dtype bfloat16 --lengths 32768,65536,131072 \
       --sides full,eager,inductor --out "$TMP/long.md" || echo "long_context.py failed or timed out" > "$TMP/long.md"
 fi
+if [[ " $STEPS " == *" compile "* ]]; then
+  # 6. Compile time (issue 10, item 1) and the deployment anchor with CUDA graphs (item 4), on the embedded model.
+  timeout 360 "$PY" benchmarks/compile_time.py --device cuda --routes regional --out "$TMP/compile.md" \
+      || echo "compile_time.py failed or timed out" > "$TMP/compile.md"
+  timeout 480 "$PY" benchmarks/deploy_decode.py --device cuda --out "$TMP/deploy.md" \
+      || echo "deploy_decode.py failed or timed out" > "$TMP/deploy.md"
+fi
 {
   echo "# GPU run"
   echo
   echo "Command: \`GPU_STEPS=\"$STEPS\" bash benchmarks/gpu.sh\`; total ${SECONDS} s. Sections below are the scripts' own outputs."
-  for f in overhead cve fair cross long; do
+  for f in overhead cve fair cross long compile deploy; do
     if [[ -s "$TMP/$f.md" ]]; then echo; sed 's/^# /## /' "$TMP/$f.md"; fi
   done
 } > "$OUT"

@@ -4,7 +4,7 @@
 """
 
 from . import rules
-from .api import BudgetForward, compile, inspect, kernel_fingerprint
+from .api import BudgetForward, compile, frozen_runner, inspect, kernel_fingerprint
 from .backend import NoBudgetAttentionError, make_backend
 from .cache import BudgetCache
 from .kernel import budget_attention
@@ -12,6 +12,6 @@ from .kernel import budget_attention
 __version__ = "0.1.0"
 
 __all__ = [
-    "BudgetCache", "BudgetForward", "NoBudgetAttentionError", "budget_attention", "compile", "inspect",
-    "kernel_fingerprint", "make_backend", "rules",
+    "BudgetCache", "BudgetForward", "NoBudgetAttentionError", "budget_attention", "compile", "frozen_runner",
+    "inspect", "kernel_fingerprint", "make_backend", "rules",
 ]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import itertools
 import logging
-import types
 import warnings
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
@@ -23,6 +23,7 @@ from .eager import BudgetAttentionMode
 from .kernel import DEFAULT_BLOCK, check_block
 from .passes.sdpa import INTS_KEY, REGION_KEY
 from .positions import call_positions
+from .regions import compiled_forward, whole_model_forward
 from .rules import Rule, get
 
 log = logging.getLogger("fxbudget")
@@ -67,7 +68,7 @@ def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: in
 
 def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *, chunk_size: int | None = None,
             backend: str | None = "inductor", headroom: int = 0, block: int | None = DEFAULT_BLOCK,
-            **rule_params) -> nn.Module:
+            cudagraphs: bool = False, **rule_params) -> nn.Module:
     """Run `model` with a KV cache of at most `budget` entries per layer and KV head, evicting with `rule`.
 
     The model is modified in place (its `forward` is wrapped) and returned; `model.forward.restore()` undoes it.
@@ -88,6 +89,8 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
         block: queries per block in the kernel's measure phase: a call's attention temporaries are
             O(block x candidates) whatever its length (a kernel setting: compare rules at one value; a call shorter
             than `block` is one block).
+        cudagraphs: with backend "inductor" on CUDA, replay the compiled graphs as CUDA graphs (mark the cache tensors
+            with `torch._dynamo.mark_static_address`, or Inductor skips CUDA graphs for graphs that write them).
         **rule_params: hyperparameters of a named rule, e.g. `window=64` for snapkv.
 
     Returns:
@@ -103,36 +106,37 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
             and not BudgetCache(model.config, 1).has_rope:
         raise ValueError(f"rule {rule_obj.name!r} needs the model's RoPE frequencies, and this model does not use "
                          "default RoPE on its full-attention layers")
-    model.forward = BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend,
-                                  headroom=headroom, block=block)
-    return model
+    return BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend, headroom=headroom,
+                         block=block, cudagraphs=cudagraphs).install()
 
 
-def _entry(forward, kwargs):
-    return forward(**kwargs)
+def frozen_runner(model: nn.Module, backend: str, window: int, *, block: int | None = DEFAULT_BLOCK,
+                  cudagraphs: bool = False, on_graph: Callable[[fx.GraphModule], None] | None = None
+                  ) -> Callable[..., Any]:
+    """A compiled runner of `model` for frozen calls, to share between forwards (`BudgetForward.share_frozen`).
 
-
-_ENTRIES = itertools.count()
-
-
-def _compiled_forward(forward, backend):
-    """`torch.compile` of `forward(**kwargs)` through an entry function with its own code object.
-
-    Dynamo keeps compiled graphs per code object. Compiling the model's forward itself would pile every rule,
-    budget and shape of every `fxbudget.compile` call onto one code object and hit the recompile limit; a fresh
-    entry per call gives each its own cache, freed with it.
+    Args:
+        model: the model (if compiled by fxbudget at the time of the call, its original forward is used).
+        backend: "inductor", "aot_eager" or "eager". window: the observation window of the forwards that share it
+            (the signal totals stored in the cache depend on it). block, cudagraphs: as for `compile`.
+        on_graph: called with each rewritten graph it compiles.
+    Returns:
+        A callable like `BudgetForward`'s compiled runner. Its graphs carry the `window` rule's scoring ops: in a
+        frozen call no score decides anything (see `share_frozen`).
     """
-    code = _entry.__code__.replace(co_name=f"fxbudget_forward_{next(_ENTRIES)}")
-    entry = torch.compile(types.FunctionType(code, _entry.__globals__), backend=backend, fullgraph=True,
-                          dynamic=False)
+    forward = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
+    return compiled_forward(model, forward, make_backend("window", inner=backend, on_graph=on_graph, block=block,
+                                                         cudagraphs=cudagraphs, observation_window=window))
 
-    def run(**kwargs):
-        # Past the recompile limit: an error, never a silent eager fallback. Set for fxbudget's own calls only (the
-        # process-wide setting is restored after each call).
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            return entry(forward, kwargs)
 
-    return run
+def bucket_length(n: int, buckets: tuple[int, ...] = ()) -> int:
+    """The smallest of `buckets` that holds `n` tokens, else `n` rounded up to a quarter of its power of two, at least
+    16: from 64 tokens on, at most a quarter more tokens (four lengths per doubling); below, a multiple of 16."""
+    fits = [b for b in buckets if b >= n]
+    if fits:
+        return min(fits)
+    step = max(16, 1 << max(0, n.bit_length() - 3))
+    return -(-n // step) * step
 
 
 def _layer_budgets(rule: Rule, budget: int, config, prompt: int | None = None) -> list[int] | None:
@@ -161,16 +165,41 @@ class BudgetForward:
     computed as `model(ids, labels=ids).loss` works, and its outputs do not require grad).
     If the first call finds no attention it can budget, it raises `NoBudgetAttentionError` and so does every later
     call: the model never runs unbudgeted under a budget's name. `restore()` gives back the unmodified model.
+
+    Compiled (a `backend`), each call runs at a bucket length (`bucket`), padded on the left with fxbudget's own pads
+    (position -1: never visible, never kept, not counted in `get_seq_length()`), so that a few graphs serve every
+    length: the last prefill chunk runs at `chunk_size`. `buckets` (default: `(chunk_size,)`) are the lengths tried
+    first; a call longer than all of them is rounded up to a quarter of its power of two.
     """
 
     _failure: str | None = None  # set when the first call found nothing to budget
 
     def __init__(self, model: nn.Module, rule: Rule, budget: int, *, chunk_size: int | None,
-                 backend: str | None, headroom: int, block: int | None = DEFAULT_BLOCK):
+                 backend: str | None, headroom: int, block: int | None = DEFAULT_BLOCK, cudagraphs: bool = False):
+        """Build the forward of `model` (not yet installed: see `install`); the compiled graphs live here, so a
+        forward installed, restored and installed again keeps them."""
         self.model, self.rule, self.budget, self.block = model, rule, budget, block
         self.chunk_size, self.backend, self.headroom = chunk_size, backend, headroom
         self.window = kernel_window(rule)
         self.original = model.forward
+        self.buckets: tuple[int, ...] = (chunk_size,) if chunk_size else ()
+        self.graphs: list[fx.GraphModule] = []  # rewritten graphs compiled so far (one per region and input shape)
+        self._verified = False
+        self._checked_cache: BudgetCache | None = None
+        self._sliding_rule = get("window")  # the rule of sliding-window layers (eager path)
+        self._frozen_runner: Callable[..., Any] | None = None
+        if backend is None:
+            self._run = self._run_eager
+        else:
+            self._runner = compiled_forward(model, self.original, make_backend(
+                rule, inner=backend, on_graph=self.graphs.append, block=block, cudagraphs=cudagraphs))
+            self._run = self._run_compiled
+
+    def install(self) -> nn.Module:
+        """Make this the model's forward (and its attention fxbudget's maskless SDPA); returns the model."""
+        model = self.model
+        if isinstance(model.forward, BudgetForward):
+            raise ValueError("this model is already compiled by fxbudget; call model.forward.restore() first")
         self._instance_forward = vars(model).get("forward")  # usually None: forward comes from the class
         config = getattr(model, "config", None)
         self._attn_implementation = getattr(config, "_attn_implementation", None)
@@ -180,15 +209,67 @@ class BudgetForward:
         self._disable_compile = getattr(gen_cfg, "disable_compile", None)
         if gen_cfg is not None:
             gen_cfg.disable_compile = True  # generate() must not compile the forward again with its own settings
-        self.graphs: list[fx.GraphModule] = []  # rewritten graphs compiled so far (one per input shape)
-        self._verified = False
-        self._checked_cache: BudgetCache | None = None
-        self._sliding_rule = get("window")  # the rule of sliding-window layers (eager path)
-        if backend is None:
-            self._run = self._run_eager
-        else:
-            self._run = _compiled_forward(
-                self.original, make_backend(rule, inner=backend, on_graph=self.graphs.append, block=block))
+        model.forward = self
+        return model
+
+    def share_frozen(self, runner: Callable[..., Any]) -> None:
+        """Run this forward's frozen calls (`BudgetCache.frozen`) with `runner` (from `frozen_runner`), shared with
+        other rules' forwards of the same model and observation window.
+
+        A frozen call evicts nothing the rule chooses: `admit` guarantees an empty slot for every new token, and
+        invalid candidates (pads, empty slots) rank below every token whatever its score, so the candidates dropped
+        are the call's pads and then empty slots, in a fixed order; attention, signals and the state written do not
+        depend on the rule either. Every rule's frozen call therefore computes the same thing, and one compiled graph
+        per shape serves them all (a comparison compiles its question and decode graphs once per budget, not once
+        per rule and budget).
+        """
+        if self.backend is None:
+            raise ValueError("share_frozen() is for compiled forwards (backend is None)")
+        self._frozen_runner = runner
+
+    def bucket(self, n: int, *, frozen: bool) -> int:
+        """The length a compiled call of `n` tokens runs at (`n` plus fxbudget's pads)."""
+        if n <= 1 or (not frozen and n < self.window):
+            # The rules see `min(window, n)` as the observation window (`rule_region`), e.g. the recent tokens
+            # snapkv protects: a call shorter than the window keeps its length. A frozen call protects nothing.
+            return n
+        return bucket_length(n, self.buckets)
+
+    def _run_compiled(self, **kwargs):
+        """The compiled runner (the shared one for frozen calls), the call padded on the left to its bucket."""
+        cache = next(v for v in kwargs.values() if isinstance(v, BudgetCache))
+        run = self._frozen_runner if cache._frozen and self._frozen_runner is not None else self._runner
+        name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+        x = kwargs[name]
+        n = x.shape[1]
+        pads = self.bucket(n, frozen=cache._frozen) - n
+        # Another per-token input than those padded below: run at the call's own length (one more graph, exact).
+        per_token = {k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] == n}
+        if per_token - {name, "position_ids", "labels"}:
+            pads = 0
+        if cache.call.pos is not None:  # a fresh tensor: a chunk's slice has the whole prompt's strides (a guard)
+            cache.call.pos = cache.call.pos.clone(memory_format=torch.contiguous_format)
+        if not pads or cache.call.pos is None:
+            kwargs[name] = x.clone(memory_format=torch.contiguous_format)
+            return run(**kwargs)
+        # fxbudget's own pads: any token (0), RoPE position 0 (unused), kernel position -1; the cache's seen count
+        # advances by the call's own tokens only (`cache.call.advance`, set by the caller, is left as it is).
+        kwargs[name] = torch.cat([x.new_zeros(x.shape[0], pads, *x.shape[2:]), x], dim=1)
+        if kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = F.pad(kwargs["position_ids"], (pads, 0), value=0)
+        if kwargs.get("labels") is not None:
+            # Ignored (-100) labels for the pads and the first real token, which the last pad's logits would predict:
+            # the loss keeps exactly the terms of the unpadded call.
+            labels = F.pad(kwargs["labels"], (pads, 0), value=-100)
+            labels[:, pads] = -100
+            kwargs["labels"] = labels
+        cache.call.pos = F.pad(cache.call.pos, (pads, 0), value=-1)
+        out = run(**kwargs)
+        if out.logits.shape[1] > n:  # every position's logits were asked for: drop the pads'
+            out.logits = out.logits[:, -n:]
+        if getattr(out, "hidden_states", None) is not None:
+            out.hidden_states = tuple(h[:, -n:] for h in out.hidden_states)
+        return out
 
     def _run_eager(self, *args, **kwargs):
         with BudgetAttentionMode(self.rule, self.window, self._sliding_rule, self.block) as mode:
@@ -209,6 +290,7 @@ class BudgetForward:
             self.model.generation_config.disable_compile = self._disable_compile
         if self._attn_implementation is not None:
             self.model.set_attn_implementation(self._attn_implementation)
+        self._checked_cache = None  # do not hold the last cache while not installed
         return self.model
 
     def new_cache(self, batch_size: int = 1, *, headroom: int | None = None,
@@ -349,7 +431,7 @@ def _captured_graphs(model, input_ids, rule, budget, cache, rule_params, *, bloc
     backend = make_backend(rule, inner="eager", on_graph=graphs.append, block=block, **rule_params)
     if cache is None:
         cache = model_cache(model, backend.rule, budget, input_ids.shape[0])
-    run = _compiled_forward(fwd, backend)
+    run = whole_model_forward(fwd, backend)  # every layer in one graph: what `inspect` reports per layer
     with torch.no_grad(), _maskless_attention(model):
         run(input_ids=input_ids, use_cache=True, **cache_kwargs(fwd, cache))
         if decode:

@@ -36,7 +36,7 @@ def kernel_window(rule: Rule) -> int:
 
 def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
                  on_graph: Callable[[fx.GraphModule], None] | None = None, cudagraphs: bool = False,
-                 block: int | None = DEFAULT_BLOCK, **rule_params):
+                 block: int | None = DEFAULT_BLOCK, observation_window: int | None = None, **rule_params):
     """A Dynamo backend that rewrites SDPA for `rule` and compiles with `inner`.
 
     Args:
@@ -47,6 +47,8 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
             are mutated in place, so mark them with `torch._dynamo.mark_static_address` first, or Inductor skips
             CUDA graphs for the graph.
         block: queries per block of the kernel's measure phase (a kernel setting: one value per comparison).
+        observation_window: the kernel's observation window (default: the rule's, `kernel_window(rule)`); not
+            `window=`, which stays a rule parameter (snapkv's window).
         **rule_params: hyperparameters for a named rule.
     Returns:
         A callable `(gm, example_inputs, **kwargs) -> compiled forward` for `torch.compile(backend=...)`.
@@ -54,7 +56,7 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
     if inner not in INNER_BACKENDS:
         raise ValueError(f"backend must be one of {INNER_BACKENDS}, got {inner!r}")
     rule = get(rule, **rule_params)
-    window = kernel_window(rule)
+    window = kernel_window(rule) if observation_window is None else observation_window
     sliding_rule = get("window")
 
     def fxbudget_backend(gm: fx.GraphModule, example_inputs, **kwargs):

@@ -66,6 +66,12 @@ class BudgetLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        return self.mark(key_states, value_states, self.layer)
+
+    def mark(self, key_states: Tensor, value_states: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """`update` with the layer index the marker carries: this layer's own, or -1 from a compiled region that
+        several layers share (`fxbudget.regions`: an index in the graph would make every layer a graph of its own).
+        The index only labels the call (the pass's report, the eager path's errors); the kernel never reads it."""
         b, _, n, _ = key_states.shape
         if self.call.pos is None:
             new_pos = (torch.arange(n, device=self.device) + self.seen).expand(b, n)
@@ -75,7 +81,7 @@ class BudgetLayer(CacheLayerMixin):
             self.seen.add_(self.call.advance)
         tensors = (self.keys, self.values, self.pos, self.state, self.norms, self.totals, key_states, value_states,
                    new_pos, self.inv_freq)
-        k, v = torch.ops.fxbudget.candidates(*tensors, self.layer, self.budget, self.keep, self.sliding)
+        k, v = torch.ops.fxbudget.candidates(*tensors, layer, self.budget, self.keep, self.sliding)
         if not torch.compiler.is_compiling():
             mode = require_interceptor()  # eager: the interceptor must be active, or SDPA would be wrong
             call = MarkerCall(tensors, self.layer, self.budget, self.keep, self.sliding)

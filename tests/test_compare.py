@@ -267,6 +267,29 @@ def test_other_protocols_chunked_prefill_and_compiled(tiny_dir, tmp_path, protoc
             assert r["prediction"] == full[(r["task"], r["sample"])]
 
 
+def test_compiled_forwards_serve_every_sample(tiny_dir, tmp_path):
+    """A compiled backend: the eager shared prefill, then one compiled forward per (rule, budget) for every sample."""
+    grid = ["--tasks", "passkey", "--lengths", "300", "--rules", "snapkv,h2o", "--budgets", "32,64", "--samples", "3",
+            "--max-new-tokens", "4", "--quiet"]
+
+    def run(backend):
+        assert main(["compare", "--model", tiny_dir, *grid, "--backend", backend, "--out", str(tmp_path / backend)]) == 0
+        return load_rows([tmp_path / backend])
+
+    eager, compiled = run("none"), run("aot_eager")
+    assert [r["prediction"] for r in compiled] == [r["prediction"] for r in eager]
+    per_config, compiled_first = {}, {}
+    for r in compiled:
+        per_config.setdefault((r["rule"], r["budget"]), []).append(r)
+    for (rule, budget), rows in per_config.items():
+        assert len(rows) == 3 and all(r["shared_prefill"] for r in rows)
+        assert [r["compile_s"] for r in rows[1:]] == [0.0, 0.0]  # compiled with the first sample at most
+        assert rows[-1]["compiled_graphs"] == 2  # the question append and the decode step, all samples
+        compiled_first.setdefault(budget, []).append(rows[0]["compile_s"] > 0)
+    # Those two calls are frozen, hence the same for every rule: compiled by one rule per budget only.
+    assert all(flags.count(True) == 1 for flags in compiled_first.values()), compiled_first
+
+
 def test_bad_arguments_fail_clearly(tiny_dir, tmp_path):
     with pytest.raises(SystemExit, match="unknown rule 'nope'"):
         main(["compare", "--model", tiny_dir, "--rules", "nope", "--out", str(tmp_path)])

@@ -83,6 +83,75 @@ def test_frozen_headroom_appends_without_eviction():
     assert cache.get_seq_length().item() == 26  # the refused call did not run
 
 
+def test_frozen_calls_share_one_compiled_runner_across_rules():
+    # A frozen call evicts nothing the rule chooses, so one compiled runner serves every rule's frozen calls
+    # (BudgetForward.share_frozen): each rule, after evicting with its own kernel, must still match its eager run.
+    model = tiny_model("qwen2")
+    torch.manual_seed(3)
+    ids, question = torch.randint(0, 96, (1, 24)), torch.randint(0, 96, (1, 5))
+    graphs, shared = [], None
+    for rule in ("snapkv", "h2o", "knorm"):
+        runs = {}
+        for backend in (None, "aot_eager"):
+            m = fxbudget.compile(model, rule=rule, budget=8, backend=backend, headroom=8)
+            if backend is not None:
+                shared = shared or fxbudget.frozen_runner(m, backend, m.forward.window, on_graph=graphs.append)
+                m.forward.share_frozen(shared)
+            cache = m.forward.new_cache()
+            with torch.no_grad():
+                m(input_ids=ids, past_key_values=cache)  # evicts down to 8 with the rule's own kernel
+                with cache.frozen():
+                    logits, _ = greedy(m, question, 3, cache=cache)
+            m.forward.restore()
+            runs[backend] = logits, [cache.positions(i) for i in range(len(cache.layers))]
+        (ref_logits, ref_pos), (logits, pos) = runs[None], runs["aot_eager"]
+        assert (logits - ref_logits).abs().max().item() <= 1e-4
+        assert all(torch.equal(a, b) for a, b in zip(pos, ref_pos)), rule
+    assert len(graphs) == 2  # the frozen question and decode graphs, compiled once for the three rules
+
+
+@pytest.mark.parametrize("rule", ["snapkv", "h2o", "knorm"])
+def test_bucket_padding_equals_the_unpadded_eager_run(rule):
+    # Chunks of 40: the last chunk (35 tokens, evicting, longer than the window of 32) runs padded to 40, the frozen
+    # 5-token question too (buckets (40,)). fxbudget's pads (position -1) must change nothing: not the logits, not the
+    # kept tokens, not the tokens the cache counts; and the compiled forward needs one graph per bucket only.
+    model = tiny_model("qwen2")
+    torch.manual_seed(4)
+    ids, question = torch.randint(0, 96, (1, 115)), torch.randint(0, 96, (1, 5))
+    runs = {}
+    for backend in (None, "aot_eager"):
+        m = fxbudget.compile(model, rule=rule, budget=48, backend=backend, chunk_size=40, headroom=8)
+        cache = m.forward.new_cache()
+        with torch.no_grad():
+            out = m(input_ids=ids, past_key_values=cache, logits_to_keep=0, output_hidden_states=True)
+            prefill, hidden = out.logits, out.hidden_states[-1]  # every position's logits; the last chunk's states
+            with cache.frozen():
+                logits, _ = greedy(m, question, 2, cache=cache)
+        runs[backend] = prefill, logits, [cache.positions(i) for i in range(len(cache.layers))], cache.tokens_seen
+        runs[backend, "hidden"] = hidden
+        graphs = m.forward.graphs
+        m.forward.restore()
+    (ref_prefill, ref_logits, ref_pos, ref_seen), (prefill, logits, pos, seen) = runs[None], runs["aot_eager"]
+    assert prefill.shape[1] == 115 and (prefill - ref_prefill).abs().max().item() <= 1e-4
+    hidden, ref_hidden = runs["aot_eager", "hidden"], runs[None, "hidden"]
+    assert hidden.shape[1] == 35 and (hidden - ref_hidden).abs().max().item() <= 1e-4
+    assert (logits - ref_logits).abs().max().item() <= 1e-4
+    assert all(torch.equal(a, b) for a, b in zip(pos, ref_pos)) and seen == ref_seen == 122
+    # Each graph is one decoder layer's region: its first input is the hidden states, [batch, length, hidden].
+    lengths = sorted(next(n for n in gm.graph.nodes if n.op == "placeholder").meta["example_value"].shape[1]
+                     for gm in graphs)
+    assert lengths == [1, 40, 40]  # the prefill chunk, the frozen question, the frozen decode step
+
+
+def test_bucket_lengths():
+    from fxbudget.api import bucket_length
+
+    assert [bucket_length(n, (32, 256)) for n in (5, 32, 33, 256)] == [32, 32, 256, 256]
+    # Past the buckets: a quarter of the power of two (at least 16), so at most a quarter more tokens.
+    assert [bucket_length(n) for n in (17, 100, 2000, 2049)] == [32, 112, 2048, 2560]
+    assert all(n <= bucket_length(n) <= 1.25 * n for n in range(64, 5000))
+
+
 def test_full_rule_refuses_to_evict():
     model = tiny_model("llama")
     m = fxbudget.compile(fresh(model), rule="full", budget=16, backend=None)

@@ -405,3 +405,56 @@ def test_fingerprint_covers_the_query_block_loop(monkeypatch):
 
     monkeypatch.setattr(kernel._Block, "__call__", variant)
     assert fxbudget.kernel_fingerprint(model, ids, rule="h2o", budget=40) != base
+
+
+def _kernels(gm) -> int:
+    """Budget kernels spliced into a graph: each writes keys and values back with one index_put_ apiece."""
+    return sum(n.target is torch.ops.aten.index_put_.default for n in gm.graph.nodes) // 2
+
+
+@pytest.mark.parametrize("arch, rule, regions", [
+    ("qwen2", "snapkv", 1),       # 4 identical layers: one region
+    ("gemma3", "h2o", 2),         # sliding and full layers: one region each
+    ("qwen2", "pyramidkv", 4),    # 4 per-layer budgets: one region per budget
+])
+def test_decoder_layers_share_compiled_regions(arch, rule, regions):
+    from conftest import greedy
+
+    model = tiny_model(arch, layers=3 if arch == "gemma3" else 4)
+    m = fxbudget.compile(model, rule=rule, budget=8, backend="aot_eager", chunk_size=6,
+                         **({"window": 4} if rule == "pyramidkv" else {}))
+    with torch.no_grad():
+        greedy(m, torch.randint(0, 96, (1, 12)), 3)
+    graphs = m.forward.graphs
+    # One graph per region and input shape (prefill chunk, decode), each holding one layer's kernel: the layer
+    # index never reaches a graph, so Dynamo reuses the region's graph for every layer of its configuration.
+    assert len(graphs) == 2 * regions
+    assert [_kernels(gm) for gm in graphs] == [1] * len(graphs)
+
+
+def test_backend_window_is_the_rules_parameter():
+    # `window=` is a rule parameter (snapkv's window, hence the kernel's observation window); the frozen runner's
+    # override of the kernel window has its own name, so it cannot swallow the rule's.
+    backend = fxbudget.make_backend("snapkv", inner="eager", window=8)
+    assert backend.rule.window == 8 and backend.window == 8
+    backend = fxbudget.make_backend("window", inner="eager", observation_window=8)
+    assert backend.rule.name == "window" and backend.window == 8
+
+
+def test_torch_compile_with_the_registered_backend():
+    # The whole-model path: `torch.compile(model, backend="fxbudget")` traces every layer into one graph. The model
+    # must build no attention mask (the kernel computes visibility from positions): fxbudget's attention
+    # implementation, registered on import. `options` reach the backend: aot_eager instead of Inductor (slow).
+    from conftest import fresh
+
+    model = tiny_model("llama", layers=2)
+    ids = torch.randint(0, 96, (1, 10))
+    ref = fxbudget.compile(fresh(model), rule="snapkv", budget=6, backend=None)
+    ref_cache, cache = ref.forward.new_cache(), fxbudget.BudgetCache(model.config, 6)
+    model.set_attn_implementation("fxbudget_sdpa")
+    compiled = torch.compile(model, backend="fxbudget", fullgraph=True, options={"inner": "aot_eager"})
+    with torch.no_grad():
+        expected = ref(input_ids=ids, past_key_values=ref_cache).logits
+        got = compiled(input_ids=ids, past_key_values=cache, use_cache=True).logits
+    assert (got - expected).abs().max().item() <= 1e-4
+    assert all(torch.equal(cache.positions(i), ref_cache.positions(i)) for i in range(2))

@@ -8,10 +8,17 @@ Protocols (DESIGN §6), a column of every row and never mixed (a run may hold se
 
 The rule `full` is the reference row: the unmodified model with transformers' own cache, no fxbudget in the path.
 
-When the prefill is one call (no chunking) on the eager kernel, it is computed once per sample and the cache is
-branched per rule and budget (`fxbudget.harness.branch`, bit-identical to separate runs, tested). Protocols that
-prefill the same tokens share it: the context for query-agnostic and streaming, context + question for query-aware.
-The reference row does not depend on the protocol: it runs once per sample and is written once per protocol.
+When the prefill is one call (no chunking), it is computed once per sample on the eager kernel and the cache is
+branched per rule and budget (`fxbudget.harness.branch`, bit-identical to separate runs, tested); with a compiled
+`backend` only the calls after it (question, answer) run compiled. Protocols that prefill the same tokens share it:
+the context for query-agnostic and streaming, context + question for query-aware. The reference row does not depend
+on the protocol: it runs once per sample and is written once per protocol.
+
+Compiled forwards are built once per (rule, budget) and serve every sample of the run: the head-room is the run's
+largest and every question is padded to one length (`BudgetForward.buckets`), so every sample's calls have the same
+shapes. Frozen calls (the question and answer of query-agnostic, the answer of query-aware) do not depend on the
+rule (`BudgetForward.share_frozen`): one compiled runner per observation window and budget serves every rule, so
+their graphs are compiled once per budget.
 
 Budgets are absolute (`128`: KV entries per layer and KV head) or relative (`"12.5%"`: that fraction of each sample's
 context tokens, i.e. the prompt before the question, chat-template header included; floored as kvpress does); one
@@ -35,8 +42,8 @@ import torch
 import transformers
 from torch import nn
 
+from ..api import BudgetForward, frozen_runner, kernel_fingerprint
 from ..api import compile as fx_compile
-from ..api import kernel_fingerprint
 from ..backend import INNER_BACKENDS, kernel_window
 from ..cache_arg import cache_kwargs, output_cache
 from ..rules import get
@@ -133,8 +140,8 @@ class Grid:
 
     @property
     def shares_prefill(self) -> bool:
-        """Whether rules share one prefill per sample: it must be a single call on the eager kernel."""
-        return self.share_prefill and self.chunk_size is None and self.backend is None
+        """Whether rules share one prefill per sample (on the eager kernel): it must be a single call."""
+        return self.share_prefill and self.chunk_size is None
 
 
 @dataclass(frozen=True)
@@ -269,6 +276,11 @@ class Runner:
         self.eos = _eos_ids(model, tokenizer)
         self._fingerprints: dict[str, str] = {}
         self._samples: dict = {}
+        self._forwards: dict[tuple, BudgetForward] = {}  # (rule, params, budget) -> forward, reused across samples
+        # (window, budget, block) -> compiled runner of frozen calls shared by every rule, and the graphs it compiled
+        self._frozen: dict[tuple, tuple[object, list]] = {}
+        # The same cache and question shapes for every sample (set by run() from the plan).
+        self.headroom, self.question_bucket = 0, 0
         self.compile_s = self.run_s = 0.0
 
     def done_keys(self) -> set[str]:
@@ -293,6 +305,7 @@ class Runner:
             {"model": self.model_name, "grid": asdict(self.grid), "shard": list(self.shard), **self.env}, indent=1))
         results.repair(self.path)  # a run killed mid-write left a cut last line: never append a row onto it
         plan = self.plan()
+        self.headroom, self.question_bucket = self._shapes(plan)
         bar = tqdm(total=sum(len(todo) for _, todo in plan), unit="row", disable=not self.progress,
                    dynamic_ncols=True)
         rows = []
@@ -307,6 +320,48 @@ class Runner:
         finally:
             bar.close()
         return rows
+
+    def _shapes(self, plan) -> tuple[int, int]:
+        """The run's head-room (slots for what is appended with eviction frozen, the largest over the plan, rounded
+        up to 64) and question length bucket (the longest question rounded up to 16)."""
+        headroom = question_bucket = 0
+        for unit, todo in plan:
+            sample = _load_sample(self.grid, unit, self.tok, self._samples)
+            q = chat_ids(self.tok, sample)[1].shape[1]
+            max_new = self.max_new or sample.max_new_tokens
+            m = answer_ids(self.tok, sample).shape[1] if self.grid.likelihood else None
+            for protocol in {c[0] for c in todo}:
+                frozen = {"query-agnostic": q + max_new, "query-aware": max_new, "streaming": 0}[protocol]
+                if m is not None:
+                    frozen = max(frozen, frozen_tokens(protocol, q, m))
+                headroom = max(headroom, frozen)
+            question_bucket = max(question_bucket, q)
+        return math.ceil(headroom / 64) * 64, math.ceil(question_bucket / 16) * 16
+
+    def _forward(self, rule, budget: int) -> BudgetForward:
+        """The model with `rule` and `budget` installed; built (and compiled, lazily) once per run."""
+        g = self.grid
+        key = (rule.name, json.dumps(rule.params(), sort_keys=True, default=str), budget)
+        forward = self._forwards.get(key)
+        if forward is not None:
+            forward.install()
+            return forward
+        fx_compile(self.model, rule=rule, budget=budget, chunk_size=g.chunk_size, backend=g.backend,
+                   headroom=self.headroom)
+        forward = self._forwards[key] = self.model.forward
+        if g.backend is not None:
+            forward.buckets = tuple(sorted({self.question_bucket, g.chunk_size} - {None, 0}))
+            forward.share_frozen(self._frozen_for(forward)[0])
+        return forward
+
+    def _frozen_for(self, forward: BudgetForward) -> tuple[object, list]:
+        """The compiled runner of frozen calls for `forward`'s window and budget, and the graphs it compiled."""
+        key = (forward.window, forward.budget, forward.block)
+        if key not in self._frozen:
+            graphs: list = []
+            self._frozen[key] = frozen_runner(self.model, self.grid.backend, forward.window, block=forward.block,
+                                              on_graph=graphs.append), graphs
+        return self._frozen[key]
 
     def _fingerprint(self, rule) -> str:
         """The kernel fingerprint of the rewritten graph (rule ops masked out): one per rule per run."""
@@ -395,12 +450,7 @@ class Runner:
         g, model = self.grid, self.model
         rule = get(rule_name, **g.rule_params.get(rule_name, {}))
         fingerprint = self._fingerprint(rule)
-        frozen = {"query-agnostic": question.shape[1] + max_new, "query-aware": max_new, "streaming": 0}[protocol]
-        if answer is not None:  # the likelihood forward appends its tokens frozen too (on a copy of the cache)
-            frozen = max(frozen, frozen_tokens(protocol, question.shape[1], answer.shape[1]))
-        # Head-room rounded up, so samples with different question lengths share compiled shapes.
-        headroom = math.ceil(frozen / 64) * 64
-        fx_compile(model, rule=rule, budget=budget, chunk_size=g.chunk_size, backend=g.backend, headroom=headroom)
+        forward = self._forward(rule, budget)
         # With a shared prefill, the forward's own peak is recorded apart (`shared_prefill_peak_mem_bytes`); this one
         # covers the branch and decode (the recorded prefill is still held).
         peak = _Peak(prefill_ids.device)
@@ -428,7 +478,9 @@ class Runner:
         self._timed(pre), self._timed(question_clock), self._timed(dec)
         return {"rule": rule_name, "rule_params": rule.params(), "budget": budget, "window": kernel_window(rule),
                 "layer_budgets": cache.layer_budgets if len(set(cache.layer_budgets)) > 1 else None,
-                "headroom": headroom, "kernel_fingerprint": fingerprint, "shared_prefill": shared is not None,
+                "headroom": self.headroom, "kernel_fingerprint": fingerprint, "shared_prefill": shared is not None,
+                # Graphs this rule and budget used so far: its own, and the frozen calls' (shared with other rules).
+                "compiled_graphs": len(forward.graphs) + len(self._frozen_for(forward)[1]) if g.backend else None,
                 # With a shared prefill, prefill_s is what a separate run would take: the shared forward + the branch.
                 "prefill_s": pre.run + (shared_s or 0.0), "branch_s": pre.run if shared is not None else None,
                 "decode_s": question_clock.run + dec.run,
