@@ -56,7 +56,7 @@ def get(rule: str | Rule, **params) -> Rule:
 
 # Built-in rules register themselves on import.
 from . import (  # noqa: E402,F401
-    expected_attention, full, h2o, keydiff, knorm, pyramidkv, random, snapkv, streamingllm, tova, window,
+    expected_attention, full, h2o, keydiff, knorm, pyramidkv, random, snapkv, streamingllm, tova, weighted, window,
 )
 from .pyramidkv import Pyramid, pyramid_budgets  # noqa: E402
 
