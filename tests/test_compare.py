@@ -80,7 +80,7 @@ def test_rows_report_and_plots(single_run):
         assert (out / name).stat().st_size > 0, name
     report = (out / "report.md").read_text()
     assert "| full (unmodified model) |" in report and "one shared kernel" in report
-    assert "#### B=32: 4 paired samples" in report and "| rule | accuracy [95% CI] | Δ vs best |" in report
+    assert "#### B=48: 4 paired samples" in report and "| rule | accuracy [95% CI] | Δ vs best |" in report
     summary = list(csv.DictReader((out / "summary.csv").open()))
     assert {s["rule"] for s in summary} == {"full", "snapkv", "streamingllm", "h2o", "pyramidkv"}
     for s in summary:
