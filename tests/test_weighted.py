@@ -77,8 +77,10 @@ def test_empty_slots_do_not_enter_the_statistics(garbage):
 def test_formula_names_every_nonzero_term():
     text = Weighted(**MIXED).formula()
     assert text.startswith("score = 0.3 * z(log attn) -0.2 * z(log window_attn)")
-    assert "z(-log age)" in text and "max-pooled over 3" in text and "first 2 and the last 5" in text
-    assert Weighted(**{w: 0.0 for w in WEIGHTS}, pool=1, n_recent=0).formula().startswith("score = 0;")
+    assert "z(-log age)" in text and "max-pooled over 3" in text
+    assert text.endswith("; always kept: the first 2 and the last 5 positions")
+    assert Weighted(**{w: 0.0 for w in WEIGHTS}, pool=1, n_recent=0).formula() == "score = 0"
+    assert Weighted(w_key_norm=-1.0, w_window_attn=0.0, pool=1, n_recent=0).formula() == "score = -1 * z(key_norm)"
 
 
 def test_bad_parameters_are_refused():

@@ -115,4 +115,6 @@ class Weighted(Rule):
         text = f"score = {text.lstrip('+')}"
         if self.pool > 1:
             text += f", max-pooled over {self.pool} positions"
-        return text + f"; kept always: the first {self.n_sink} and the last {self.n_recent} positions"
+        kept = ([f"the first {self.n_sink}"] if self.n_sink else []) + \
+            ([f"the last {self.n_recent}"] if self.n_recent else [])
+        return text + (f"; always kept: {' and '.join(kept)} positions" if kept else "")
