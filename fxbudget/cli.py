@@ -152,7 +152,7 @@ def cmd_compare(args) -> int:
 
 def cmd_search(args) -> int:
     from .harness.malloc import tune_malloc
-    from .harness.search import SearchConfig, import_optuna, search, summary_markdown
+    from .harness.search import SearchConfig, import_optuna, load_average, search, summary_markdown
     from .models import load_model
 
     try:
@@ -173,14 +173,14 @@ def cmd_search(args) -> int:
     _setup_threads(args.threads)
     if not args.default_malloc:
         tune_malloc()
-    start = time.perf_counter()
+    start, load_start = time.perf_counter(), load_average()
     model, tokenizer, config.model = load_model(args.model)
     command = shlex.join(["fxbudget", *args.argv])
     try:
         res = search(model, tokenizer, config.model, config, args.out, progress=not args.quiet, command=command)
     except ValueError as e:  # e.g. --out holds a study made with other settings
         raise SystemExit(f"fxbudget search: {e}") from None
-    text = summary_markdown(res, note=args.note, wall_s=time.perf_counter() - start)
+    text = summary_markdown(res, note=args.note, wall_s=time.perf_counter() - start, load_start=load_start)
     paths = [Path(args.out) / "search.md"] + ([Path(args.summary)] if args.summary else [])
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)

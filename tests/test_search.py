@@ -1,6 +1,7 @@
 """`fxbudget search` end to end on a tiny random model: the study, the written rule file (registered, the trial's
 score reproduced, the shared kernel), the held-out comparison and its verdict, resume, and the rule-file loader."""
 
+import re
 import sys
 
 import pytest
@@ -61,6 +62,8 @@ def test_study_rule_file_and_holdout(searched):
     assert text == (out / "copy" / "rule_search.md").read_text()
     assert "**SMOKE RUN**" in text and "## Held-out verdict" in text and "by accuracy (2 paired samples)" in text
     assert f"reproduces {best.value:.4f} (equal)" in text and "one fingerprint for every rule" in text
+    loads = r"[\d.]+/[\d.]+/[\d.]+"
+    assert re.search(rf"load average \(1/5/15 min\) {loads} at the start, {loads} at the end", text)
 
 
 def test_rule_file_is_registered_and_reproduces_the_trial(searched, tiny_dir):  # noqa: F811

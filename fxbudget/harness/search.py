@@ -447,16 +447,25 @@ def search(model: nn.Module, tokenizer, model_name: str, config: SearchConfig, o
 
 
 # --- the summary --------------------------------------------------------------------------------------------------
-def _load_average() -> str:
+def load_average() -> str:
+    """The 1/5/15-minute load averages as `a/b/c` (`-` where the platform has none)."""
     try:
         return "/".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "-"
 
 
-def summary_markdown(res: SearchResult, note: str | None = None, wall_s: float | None = None) -> str:
+def summary_markdown(res: SearchResult, note: str | None = None, wall_s: float | None = None,
+                     load_start: str | None = None) -> str:
     """The search's report: setup, wall time, the found formula and rule file, calibration vs held-out, the held-out
-    verdict and paired comparison, the best trials."""
+    verdict and paired comparison, the best trials.
+
+    Args:
+        res: what `search` returned.
+        note: a line under the title (e.g. that it is a smoke run).
+        wall_s: the run's wall time, model load included.
+        load_start: the load average when the run started (`load_average()`); the one at the end is added here.
+    """
     from .report import accuracy_table, likelihood_table, paired_tables
 
     c, env = res.config, res.environment
@@ -474,8 +483,8 @@ def summary_markdown(res: SearchResult, note: str | None = None, wall_s: float |
         f"- model: {res.model_name}; dtype {env['dtype']}, device {env['device']}, torch {env['torch']}, "
         f"transformers {env['transformers']}, fxbudget {env['fxbudget']}, {env['threads']} torch thread(s), "
         f"{env['machine']} {env['platform']}, {os.cpu_count()} CPU(s), malloc: {env['malloc']}",
-        f"- date {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; load average (1/5/15 min) {_load_average()} "
-        "at the end",
+        f"- date {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; load average (1/5/15 min) "
+        f"{'' if load_start is None else load_start + ' at the start, '}{load_average()} at the end",
         f"- family: `weighted` (fxbudget/rules/weighted.py), observation window {DEFAULT_WINDOW}, budget {c.budget}, "
         f"protocol {c.protocol}",
         f"- calibration: {', '.join(c.tasks)} at {', '.join(map(str, c.lengths))} tokens, {c.samples} sample(s) each "
