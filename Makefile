@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	@# On a machine without a CUDA GPU take the CPU build of torch first; the package metadata keeps torch>=2.13.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS); fi
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,test]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,test,search]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,7 +1,8 @@
-"""The `fxbudget` command: `compare` (the comparison grid), `report`, `rules`, `inspect`.
+"""The `fxbudget` command: `compare` (the comparison grid), `search` (fit a rule), `report`, `rules`, `inspect`.
 
     fxbudget compare --tasks passkey,niah_multikey --lengths 2000 --budgets 64,128,256 --samples 3 --out runs/demo
     fxbudget compare --budgets 12.5%,25%,50% --protocol query-agnostic,query-aware --out runs/both
+    fxbudget search --tasks passkey,niah_multikey --lengths 2000 --samples 4 --budget 256 --trials 50 --out runs/s
     fxbudget report runs/a runs/b --out runs/merged --sort likelihood
     fxbudget rules
     fxbudget inspect --rule snapkv --budget 64 --tokens 16 [--layer 3] [--full]
@@ -13,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -103,6 +105,7 @@ def cmd_compare(args) -> int:
     from .harness.runner import Grid, Runner
     from .models import load_model
 
+    _load_rule_files("compare", args.rule_file)
     grid = Grid(tasks=args.tasks, lengths=args.lengths, rules=args.rules, budgets=args.budgets,
                 samples=args.samples, seed=args.seed, protocols=args.protocol, chunk_size=args.chunk_size,
                 backend=_backend(args.backend), share_prefill=not args.no_share_prefill, rule_params=_params(args.param),
@@ -147,6 +150,49 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_search(args) -> int:
+    from .harness.malloc import tune_malloc
+    from .harness.search import SearchConfig, import_optuna, load_average, search, summary_markdown
+    from .models import load_model
+
+    try:
+        import_optuna()
+    except ImportError as e:
+        raise SystemExit(f"fxbudget search: {e}") from None
+    _load_rule_files("search", args.rule_file)
+    if len(args.protocol) != 1:
+        raise SystemExit(f"fxbudget search: one --protocol per search, got {','.join(args.protocol)}")
+    config = SearchConfig(model="", tasks=args.tasks, lengths=args.lengths, samples=args.samples, seed=args.seed,
+                          budget=args.budget, protocol=args.protocol[0], trials=args.trials, baselines=args.rules,
+                          holdout_samples=args.holdout_samples, holdout_seed=args.holdout_seed, name=args.name,
+                          max_new_tokens=args.max_new_tokens)
+    try:
+        config.validate()
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"fxbudget search: {e}") from None
+    _setup_threads(args.threads)
+    if not args.default_malloc:
+        tune_malloc()
+    start, load_start = time.perf_counter(), load_average()
+    model, tokenizer, config.model = load_model(args.model)
+    command = shlex.join(["fxbudget", *args.argv])
+    try:
+        res = search(model, tokenizer, config.model, config, args.out, progress=not args.quiet, command=command)
+    except ValueError as e:  # e.g. --out holds a study made with other settings
+        raise SystemExit(f"fxbudget search: {e}") from None
+    text = summary_markdown(res, note=args.note, wall_s=time.perf_counter() - start, load_start=load_start)
+    paths = [Path(args.out) / "search.md"] + ([Path(args.summary)] if args.summary else [])
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    print(f"\nfound: {res.rule_file} (trial #{res.best.number}, calibration objective {res.best.value:.4f})")
+    print("held-out verdict:")
+    for _, sentence in res.verdicts.values():
+        print(f"  {sentence.replace('**', '')}")
+    print(f"summary: {', '.join(map(str, paths))}; held-out report: {res.holdout_dir / 'report.md'}")
+    return 0
+
+
 def cmd_report(args) -> int:
     from .harness.report import report
 
@@ -177,6 +223,7 @@ def rules_table() -> str:
 
 
 def cmd_rules(args) -> int:
+    _load_rule_files("rules", args.rule_file)
     print(rules_table())
     return 0
 
@@ -199,9 +246,51 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .harness.runner import PROTOCOLS, Grid
+def _task_options(c, d, *, task_files: bool = True) -> None:
+    """The task flags of `compare` (and `search`): model, tasks, lengths, samples, seed, protocol."""
+    from .harness.runner import PROTOCOLS
     from .harness.tasks import TASKS
+
+    joined = lambda values: ",".join(map(str, values))  # noqa: E731
+    c.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: the embedded "
+                   "Qwen2.5-Coder-0.5B-Instruct)")
+    c.add_argument("--tasks", type=_names, default=joined(d.tasks), help=f"comma-separated, from: {', '.join(TASKS)}")
+    if task_files:
+        c.add_argument("--task-file", action="append", default=[], help="a JSONL task file (context, question, "
+                       "answer, optional answer_prefix); repeatable")
+    c.add_argument("--lengths", type=_ints, default=joined(d.lengths), help="context lengths in tokens")
+    c.add_argument("--samples", type=int, default=d.samples, help="samples per task and length")
+    c.add_argument("--seed", type=int, default=d.seed, help="seed of the generated task samples")
+    c.add_argument("--protocol", type=_names, default=joined(d.protocols), help=f"comma-separated, from: "
+                   f"{', '.join(PROTOCOLS)}; several run in one pass (each protocol's prefill once per sample)")
+
+
+def _rule_file_option(c) -> None:
+    c.add_argument("--rule-file", action="append", default=[], help="a Python file registering rules (@register), "
+                   "e.g. one written by `fxbudget search`; repeatable")
+
+
+def _load_rule_files(command: str, paths: list[str]) -> None:
+    from .rules import load_file
+
+    for path in paths:
+        try:
+            load_file(path)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"fxbudget {command}: {e}") from None
+
+
+def _run_options(c) -> None:
+    """The run flags of `compare` (and `search`): answer length, threads, progress bar, malloc."""
+    c.add_argument("--max-new-tokens", type=int, default=None, help="override the tasks' answer lengths")
+    c.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--default-malloc", action="store_true", help="keep glibc's default malloc (by default freed "
+                   "heap pages are kept: large per-call temporaries then cost no page faults; see harness/malloc.py)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .harness.runner import Grid
 
     d = Grid()
     p = argparse.ArgumentParser(prog="fxbudget", description="Compare KV-cache eviction rules on one shared kernel "
@@ -212,36 +301,45 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=_HelpFormatter)
     # Defaults as one would type them: argparse passes string defaults through `type`.
     joined = lambda values: ",".join(map(str, values))  # noqa: E731
-    c.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: the embedded "
-                   "Qwen2.5-Coder-0.5B-Instruct)")
-    c.add_argument("--tasks", type=_names, default=joined(d.tasks), help=f"comma-separated, from: {', '.join(TASKS)}")
-    c.add_argument("--task-file", action="append", default=[], help="a JSONL task file (context, question, answer, "
-                   "optional answer_prefix); repeatable")
-    c.add_argument("--lengths", type=_ints, default=joined(d.lengths), help="context lengths in tokens")
+    _task_options(c, d)
     c.add_argument("--rules", type=_names, default=joined(d.rules),
                    help="'full' = the unmodified model (reference row); see `fxbudget rules`")
     c.add_argument("--budgets", type=_budgets, default=joined(d.budgets), help="KV entries per layer and KV head "
                    "(128), or percentages of each sample's context tokens (12.5%%); one kind per run")
-    c.add_argument("--samples", type=int, default=d.samples, help="samples per task and length")
-    c.add_argument("--seed", type=int, default=d.seed, help="seed of the generated task samples")
-    c.add_argument("--protocol", type=_names, default=joined(d.protocols), help=f"comma-separated, from: "
-                   f"{', '.join(PROTOCOLS)}; several run in one pass (each protocol's prefill once per sample)")
     c.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default: one call)")
     c.add_argument("--backend", default="none", choices=["none", "inductor", "aot_eager", "eager"],
                    help="'none' runs fxbudget's kernel eagerly; 'inductor' compiles it (slow first compiles on CPU)")
     c.add_argument("--no-share-prefill", action="store_true", help="run every rule's prefill separately")
     c.add_argument("--param", action="append", default=[], help="rule hyperparameter, e.g. snapkv.window=64")
-    c.add_argument("--max-new-tokens", type=int, default=None, help="override the tasks' answer lengths")
+    _rule_file_option(c)
     c.add_argument("--shard", type=_shard, default="0/1", help="run only part i/n of the samples")
     c.add_argument("--out", default="runs/compare", help="results folder (rerunning resumes)")
-    c.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--no-likelihood", action="store_true", help="skip the answer log-likelihood forward")
     c.add_argument("--sort", choices=["accuracy", "likelihood"], default="accuracy", help="order of the rules in "
                    "the tables")
-    c.add_argument("--default-malloc", action="store_true", help="keep glibc's default malloc (by default freed "
-                   "heap pages are kept: large per-call temporaries then cost no page faults; see harness/malloc.py)")
+    _run_options(c)
     c.set_defaults(func=cmd_compare)
+
+    s = sub.add_parser("search", help="fit a `weighted` rule on calibration samples (Optuna), then compare it with "
+                       "the built-in rules on held-out samples", formatter_class=_HelpFormatter)
+    _task_options(s, d, task_files=False)
+    s.add_argument("--budget", type=int, default=256, help="KV entries per layer and KV head")
+    s.add_argument("--trials", type=int, default=50, help="completed trials in the study (rerunning with more "
+                   "continues it)")
+    s.add_argument("--rules", type=_names, default="streamingllm,h2o,snapkv,tova,knorm", help="the built-in rules "
+                   "to beat on held-out samples")
+    s.add_argument("--holdout-samples", type=int, default=8, help="held-out samples per task and length")
+    s.add_argument("--holdout-seed", type=int, default=None, help="seed of the held-out samples (default: seed + "
+                   "1000)")
+    s.add_argument("--name", default=None, help="name of the found rule (default: searched_b<budget>)")
+    s.add_argument("--out", default="runs/search", help="the study (study.db; rerunning resumes), the rule file, "
+                   "the held-out results and search.md")
+    s.add_argument("--summary", default=None, help="also write the summary (search.md) here, e.g. "
+                   "benchmarks/rule_search.md")
+    s.add_argument("--note", default=None, help="a line under the summary's title (e.g. that it is a smoke run)")
+    _rule_file_option(s)
+    _run_options(s)
+    s.set_defaults(func=cmd_search)
 
     r = sub.add_parser("report", help="merge result folders (e.g. shards) into one report")
     r.add_argument("dirs", nargs="+")
@@ -251,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_report)
 
     rl = sub.add_parser("rules", help="list the registered rules")
+    _rule_file_option(rl)
     rl.set_defaults(func=cmd_rules)
 
     i = sub.add_parser("inspect", help="the rewritten attention of a model: SDPA calls rewritten per layer, the "
@@ -271,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # recorded by `search`
     return args.func(args)
 
 
