@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import transformers
@@ -207,9 +208,12 @@ def environment(model: nn.Module) -> dict:
 
 
 class Runner:
-    """Runs a `Grid` on one model and appends rows to `out_dir/results*.jsonl` (resumable, shardable)."""
+    """Runs a `Grid` on one model and appends rows to `out_dir/results*.jsonl` (resumable, shardable).
 
-    def __init__(self, model: nn.Module, tokenizer, model_name: str, grid: Grid, out_dir: str | Path, *,
+    `model=None` gives a runner that only plans and writes (the driver of `fxbudget.harness.ray_runner`, whose
+    workers run the units with `unit_rows`)."""
+
+    def __init__(self, model: nn.Module | None, tokenizer, model_name: str, grid: Grid, out_dir: str | Path, *,
                  shard: tuple[int, int] = (0, 1), progress: bool = True, max_new_tokens: int | None = None):
         grid.validate()
         i, n = shard
@@ -217,10 +221,9 @@ class Runner:
             raise ValueError(f"shard must be i/n with 0 <= i < n, got {i}/{n}")
         self.model, self.tok, self.model_name, self.grid = model, tokenizer, model_name, grid
         self.out_dir, self.shard, self.progress, self.max_new = Path(out_dir), shard, progress, max_new_tokens
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / ("results.jsonl" if n == 1 else f"results-shard{i}of{n}.jsonl")
-        self.env = environment(model)
-        self.eos = _eos_ids(model, tokenizer)
+        self.env = environment(model) if model is not None else {}
+        self.eos = _eos_ids(model, tokenizer) if model is not None else set()
         self._fingerprints: dict[str, str] = {}
         self._samples: dict = {}
         self.compile_s = self.run_s = 0.0
@@ -239,14 +242,21 @@ class Runner:
                 plan.append((unit, todo))
         return plan
 
+    def prepare(self, **run_info) -> list[tuple[Unit, list[tuple[str, int | None]]]]:
+        """Before a run writes: create `out_dir`, write `run.json` (the grid, this environment, `run_info`), make the
+        results file safe to append to; returns `plan()`."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "run.json").write_text(json.dumps(
+            {"model": self.model_name, "grid": asdict(self.grid), "shard": list(self.shard), **self.env, **run_info},
+            indent=1, default=str))
+        results.repair(self.path)  # a run killed mid-write left a cut last line: never append a row onto it
+        return self.plan()
+
     def run(self) -> list[dict]:
         """Run every pending row; returns the rows written by this call."""
         from tqdm.auto import tqdm
 
-        (self.out_dir / "run.json").write_text(json.dumps(
-            {"model": self.model_name, "grid": asdict(self.grid), "shard": list(self.shard), **self.env}, indent=1))
-        results.repair(self.path)  # a run killed mid-write left a cut last line: never append a row onto it
-        plan = self.plan()
+        plan = self.prepare()
         bar = tqdm(total=sum(len(todo) for _, todo in plan), unit="row", disable=not self.progress,
                    dynamic_ncols=True)
         rows = []
@@ -261,6 +271,21 @@ class Runner:
         finally:
             bar.close()
         return rows
+
+    @torch.no_grad()
+    def unit_rows(self, unit: Unit, todo: list[tuple[str, int | None]]) -> Iterator[dict]:
+        """The rows of one unit for the configurations `todo`, in order, as each finishes; nothing is written (a
+        distributed worker hands them to the driver, the only writer).
+
+        Args:
+            unit: a sample of this runner's grid (from `plan()`).
+            todo: its `(rule, budget)` configurations to run.
+        Returns:
+            An iterator of complete rows (the same rows `run()` writes).
+        """
+        from tqdm.auto import tqdm
+
+        yield from self._run_unit(unit, todo, tqdm(disable=True))
 
     def _fingerprint(self, rule) -> str:
         """The kernel fingerprint of the rewritten graph (rule ops masked out): one per rule per run."""
