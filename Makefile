@@ -22,12 +22,17 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,test]"
 	touch $@
 
+# The tests also cover `compare --ray` (the [ray] extra); the demo does not need it.
+$(VENV)/.installed-ray: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,test,ray]"
+	touch $@
+
 install: $(VENV)/.installed
 
 demo: install
 	$(BIN)/python -m fxbudget.demo
 
-test: install
+test: $(VENV)/.installed-ray
 	$(BIN)/python -m pytest -q -ra
 
 # Not pinned: the newest transformers the registry has, even past the package's range (pip then prints a conflict),
