@@ -266,11 +266,12 @@ class RayRunner:
         from ray import exceptions as rx
         from tqdm.auto import tqdm
 
-        ray, o = self.ray, self.options
+        ray = self.ray
         lost = (rx.RayActorError, rx.WorkerCrashedError, rx.NodeDiedError, rx.ObjectLostError, rx.OutOfMemoryError)
         queue, idle = deque(plan), list(range(len(actors)))
-        attempts, deaths, totals = Counter(), Counter(), {}
+        attempts, totals = Counter(), {}
         running: dict = {}  # Ray generator -> _Flight
+        restarting: dict = {}  # ref of a dead worker's `info` (Ray runs it once the worker is back) -> worker
         written: list[dict] = []
         bar = tqdm(total=sum(len(todo) for _, todo in plan), unit="row", disable=not self.writer.progress,
                    dynamic_ncols=True)
@@ -281,30 +282,37 @@ class RayRunner:
                         w = idle.pop(0)
                         unit, todo = queue.popleft()
                         running[actors[w].run_unit.remote(unit, todo)] = _Flight(w, unit, todo, time.perf_counter())
-                    if not running:
-                        raise RuntimeError(f"every Ray worker died more than {o.max_restarts} times; "
+                    if not running and not restarting:
+                        raise RuntimeError(f"every Ray worker died more than {self.options.max_restarts} times; "
                                            f"{len(queue)} samples not run (rerun to resume)")
-                    (gen,), _ = ray.wait(list(running), num_returns=1)
-                    flight = running[gen]
+                    (ready,), _ = ray.wait([*running, *restarting], num_returns=1)
+                    if ready in restarting:
+                        w = restarting.pop(ready)
+                        try:
+                            self.workers[w] = ray.get(ready)
+                            idle.append(w)
+                        except lost as e:  # out of restarts: the run goes on with the others
+                            log.warning("a Ray worker is gone for good: %s", _reason(e))
+                        continue
+                    flight = running[ready]
                     try:
-                        item = ray.get(next(gen))
+                        item = ray.get(next(ready))
                     except StopIteration:
-                        del running[gen]
+                        del running[ready]
                         idle.append(flight.worker)
                         written += self._write(f, flight)
                         bar.set_description(f"{len(self.unit_seconds)}/{len(plan)} samples")
                         continue
                     except (*lost, rx.RayTaskError) as e:
-                        del running[gen]
+                        del running[ready]
                         gpu_oom = isinstance(e, rx.RayTaskError) and isinstance(e.cause, torch.OutOfMemoryError)
                         if not isinstance(e, lost) and not gpu_oom:
                             raise  # an exception of the unit's own code: not retried
-                        if gpu_oom:  # the worker lives on with a fragmented allocator: give Ray a fresh one
+                        if gpu_oom:  # the worker lives on with a fragmented allocator: let Ray start a fresh one
                             ray.kill(actors[flight.worker], no_restart=False)
                         self._lost(flight, e, attempts, bar, queue)
-                        deaths[flight.worker] += 1
-                        if deaths[flight.worker] <= o.max_restarts:
-                            idle.append(flight.worker)  # Ray restarts it; a unit sent meanwhile waits for it
+                        # Ray restarts the worker; a task sent before it is back would fail, this one waits for it.
+                        restarting[actors[flight.worker].info.options(max_task_retries=-1).remote()] = flight.worker
                         continue
                     flight.rows.append(item["row"])
                     flight.pid, flight.worker_s = item["pid"], item["unit_s"]
@@ -333,7 +341,7 @@ class RayRunner:
 
     def _lost(self, flight: _Flight, error: Exception, attempts: Counter, bar, queue: deque) -> None:
         """A unit's worker died: drop the rows it sent, put the unit back in front of the queue (or stop)."""
-        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        reason = _reason(error)
         self.busy.pop(flight.pid, None)
         self.discarded_rows += len(flight.rows)
         bar.update(-len(flight.rows))
@@ -346,3 +354,8 @@ class RayRunner:
         log.warning("a Ray worker died running sample %s (%s): it runs again", asdict(flight.unit), reason)
         self.retried.append((flight.unit, reason))
         queue.appendleft((flight.unit, flight.todo))
+
+
+def _reason(error: Exception) -> str:
+    """An exception's type and first line."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
