@@ -15,8 +15,9 @@ from fxbudget.harness.report import load_rows
 from fxbudget.harness.runner import Grid
 from test_compare import tiny_dir  # noqa: F401  (fixture: a tiny random Qwen2 with the real tokenizer)
 
-# Passkey samples of 1000 tokens: each sample (unit) has 5 rows, long enough to kill its worker in the middle.
-RULES, BUDGETS, SAMPLES, LENGTH, NEW = "full,snapkv,knorm", "64,4096", 3, 1000, 4
+# Passkey samples of 3000 tokens: each sample (unit) has 5 rows and takes ~0.5 s, long enough to kill its worker
+# between its first and last row.
+RULES, BUDGETS, SAMPLES, LENGTH, NEW = "full,snapkv,knorm", "64,4096", 3, 3000, 4
 ARGS = ["--tasks", "passkey", "--lengths", str(LENGTH), "--rules", RULES,
         "--budgets", BUDGETS, "--samples", str(SAMPLES), "--max-new-tokens", str(NEW), "--quiet"]
 # What must not depend on where a row ran.

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import math
 import os
+import sys
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
@@ -34,7 +35,8 @@ import torch
 from ..models import load_model, model_name
 from . import results
 from .malloc import tune_malloc
-from .runner import Grid, Runner, Unit
+from ..rules import get
+from .runner import REFERENCE, Grid, Runner, Unit
 
 log = logging.getLogger("fxbudget")
 
@@ -123,6 +125,17 @@ class _Worker:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "code": code_digest(),
                 "model": self.runner.model_name, "env": self.runner.env}
 
+    def fingerprints(self, rules: list[str]) -> dict[str, str]:
+        """Trace these rules' kernel fingerprints (seconds to a minute each on CPU: what makes a serial run's first
+        sample slow); the driver splits the rules over the workers and hands every worker all of them."""
+        grid = self.runner.grid
+        return {rule.name: self.runner._fingerprint(rule)
+                for rule in (get(name, **grid.rule_params.get(name, {})) for name in rules)}
+
+    def know_fingerprints(self, fingerprints: dict[str, str]) -> None:
+        """Take fingerprints traced by other workers (same code, model and versions: checked at start)."""
+        self.runner._fingerprints.update(fingerprints)
+
     def run_unit(self, unit: Unit, todo: list):
         """A Ray generator: one item per row as it finishes, with this process's id and cumulative timings."""
         t0 = time.perf_counter()
@@ -175,6 +188,8 @@ class RayRunner:
         self.retried: list[tuple[Unit, str]] = []  # units that lost their worker, and why
         self.discarded_rows = 0  # rows received from workers that died before their unit was complete
         self.unit_seconds: list[tuple[float, float]] = []  # per unit written: (dispatch to last row, worker's own)
+        self.startup_s = 0.0  # from run() until every worker is ready (Ray's start, model loads, fingerprints)
+        self.fingerprints: dict[str, str] = {}  # rule -> kernel fingerprint, traced once for all workers
 
     def plan(self):
         """This shard's samples and their configurations not yet in the results (`Runner.plan`)."""
@@ -187,14 +202,20 @@ class RayRunner:
         if not plan:
             self.writer.prepare()
             return []
+        t0 = time.perf_counter()
         started = self._connect()
         actors = []
         try:
             actors = self._start_workers(len(plan))
+            self._share_fingerprints(actors, plan)
+            self.startup_s = time.perf_counter() - t0
             o = self.options
             ray_info = {"address": o.address if started else "(ray.init() of the caller)", "workers": len(actors),
                         "cpus_per_worker": o.cpus_per_worker, "gpus_per_worker": o.gpus_per_worker,
                         "ray": ray.__version__, "nodes": len({w["node"] for w in self.workers})}
+            if self.writer.progress:
+                print(f"[fxbudget] {len(actors)} Ray workers on {ray_info['nodes']} nodes ready in "
+                      f"{self.startup_s:.0f} s", file=sys.stderr)
             return self._execute(actors, self.writer.prepare(ray=ray_info))
         finally:
             for actor in actors:
@@ -246,21 +267,34 @@ class RayRunner:
                                f"{e}") from None
         # One run's rows come from one environment: this fxbudget code, one model and library versions everywhere.
         code = code_digest()
-        seen = {(w["model"], w["env"].get("torch"), w["env"].get("transformers"), w["env"].get("dtype"))
+        seen = {(w["model"], *(w["env"].get(k) for k in ("torch", "transformers", "dtype", "device")))
                 for w in self.workers}
         problem = None
         if any(w["code"] != code for w in self.workers):
             problem = ("Ray workers run another fxbudget than this process (the job was started elsewhere without "
                        "it): let fxbudget start the job, or install this checkout on every node")
         elif len(seen) > 1:
-            problem = (f"Ray workers differ in (model, torch, transformers, dtype): {sorted(seen)}; install the same "
-                       "versions on every node")
+            problem = (f"Ray workers differ in (model, torch, transformers, dtype, device): {sorted(seen)}; install "
+                       "the same versions on every node and give every worker the same resources")
         if problem:
             for a in actors:
                 ray.kill(a)
             raise RuntimeError(problem)
         self.writer.env = self.workers[0]["env"]  # run.json records a worker's environment (rows record their own)
         return actors
+
+    def _share_fingerprints(self, actors: list, plan: list) -> None:
+        """Trace each pending rule's kernel fingerprint once, the rules split over the workers, and give every worker
+        all of them: otherwise each worker would trace every rule on its first sample."""
+        ray = self.ray
+        rules = sorted({rule for _, todo in plan for rule, _ in todo if rule != REFERENCE})
+        parts = [rules[i::len(actors)] for i in range(len(actors))]
+        try:
+            for part in ray.get([a.fingerprints.remote(p) for a, p in zip(actors, parts) if p]):
+                self.fingerprints.update(part)
+            ray.get([a.know_fingerprints.remote(self.fingerprints) for a in actors])
+        except ray.exceptions.RayError as e:  # a worker lost now: the run goes on, workers trace what they miss
+            log.warning("sharing kernel fingerprints failed (%s): each worker traces its own", _reason(e))
 
     def _execute(self, actors: list, plan: list) -> list[dict]:
         from ray import exceptions as rx
@@ -290,6 +324,7 @@ class RayRunner:
                         w = restarting.pop(ready)
                         try:
                             self.workers[w] = ray.get(ready)
+                            actors[w].know_fingerprints.remote(self.fingerprints)  # runs before its next unit
                             idle.append(w)
                         except lost as e:  # out of restarts: the run goes on with the others
                             log.warning("a Ray worker is gone for good: %s", _reason(e))
