@@ -190,6 +190,7 @@ class RayRunner:
         self.unit_seconds: list[tuple[float, float]] = []  # per unit written: (dispatch to last row, worker's own)
         self.startup_s = 0.0  # from run() until every worker is ready (Ray's start, model loads, fingerprints)
         self.fingerprints: dict[str, str] = {}  # rule -> kernel fingerprint, traced once for all workers
+        self.fingerprint_s = 0.0  # of startup_s: tracing them
 
     def plan(self):
         """This shard's samples and their configurations not yet in the results (`Runner.plan`)."""
@@ -287,6 +288,7 @@ class RayRunner:
         """Trace each pending rule's kernel fingerprint once, the rules split over the workers, and give every worker
         all of them: otherwise each worker would trace every rule on its first sample."""
         ray = self.ray
+        t0 = time.perf_counter()
         rules = sorted({rule for _, todo in plan for rule, _ in todo if rule != REFERENCE})
         parts = [rules[i::len(actors)] for i in range(len(actors))]
         try:
@@ -295,6 +297,7 @@ class RayRunner:
             ray.get([a.know_fingerprints.remote(self.fingerprints) for a in actors])
         except ray.exceptions.RayError as e:  # a worker lost now: the run goes on, workers trace what they miss
             log.warning("sharing kernel fingerprints failed (%s): each worker traces its own", _reason(e))
+        self.fingerprint_s = time.perf_counter() - t0
 
     def _execute(self, actors: list, plan: list) -> list[dict]:
         from ray import exceptions as rx
