@@ -105,6 +105,17 @@ def test_killed_worker_loses_nothing(tiny_dir, local_ray, serial, tmp_path):  # 
     _assert_same_rows({r["key"]: r for r in written}, serial)
 
 
+def test_more_workers_than_the_cluster_has_room_for(tiny_dir, local_ray, tmp_path):  # noqa: F811
+    from fxbudget.harness.ray_runner import RayOptions, RayRunner
+
+    grid = Grid(tasks=["passkey"], lengths=[LENGTH], rules=["full"], budgets=[64], samples=SAMPLES)
+    runner = RayRunner(tiny_dir, grid, tmp_path, progress=False, options=RayOptions(workers=3))
+    with pytest.raises(RuntimeError, match="2 CPUs and 0 GPUs free now: room for 2 workers of 1 CPUs and 0 GPUs, 3 "
+                                           "asked"):
+        runner.run()
+    assert not (tmp_path / "results.jsonl").exists()
+
+
 def test_ray_missing_says_how_to_install(tiny_dir, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as if Ray were not installed
     with pytest.raises(SystemExit, match=r"--ray needs Ray, an optional extra: pip install 'flexbudget\[ray\]'"):
