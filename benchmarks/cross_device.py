@@ -90,8 +90,8 @@ def _recorder_class():
                 self.records[-1]["protect"] = p.clone()
             return p
 
-        def layer_budgets(self, budget, n_layers):
-            return self.rule.layer_budgets(budget, n_layers)
+        def layer_budgets(self, budget, n_layers, prompt=None):
+            return self.rule.layer_budgets(budget, n_layers, prompt=prompt)
 
     return _ScoreRecorder
 

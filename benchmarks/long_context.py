@@ -131,7 +131,7 @@ def main() -> int:
     p.add_argument("--lengths", default="2048,4096,8192,16384")
     p.add_argument("--sides", default=",".join(SIDES))
     p.add_argument("--budget", type=int, default=1024)
-    p.add_argument("--block", type=int, default=None, help="the kernel's query block (default: the kernel's)")
+    p.add_argument("--block", type=int, default=None, help="the kernel's query block (default: automatic)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=1)
@@ -139,10 +139,6 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--child", nargs=2, metavar=("SIDE", "N"), help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.block is None:
-        from fxbudget.kernel import DEFAULT_BLOCK
-
-        a.block = DEFAULT_BLOCK
     if a.child:
         print(json.dumps(_child(a.child[0], int(a.child[1]), a)))
         return 0
@@ -150,8 +146,9 @@ def main() -> int:
         a.lengths, a.sides = "1024,2048", "full,eager"
     lengths = [int(x) for x in a.lengths.split(",")]
     sides = a.sides.split(",")
-    argv = ["--budget", str(a.budget), "--block", str(a.block), "--device", a.device, "--dtype", a.dtype,
-            "--threads", str(a.threads)]
+    argv = ["--budget", str(a.budget), "--device", a.device, "--dtype", a.dtype, "--threads", str(a.threads)]
+    if a.block:
+        argv += ["--block", str(a.block)]
     tune_malloc()  # so the header states the children's setting
     info = env_info(a.device)
     results = {}
@@ -175,7 +172,7 @@ def main() -> int:
     lines = header_lines("Long context: one-call prefill, fxbudget vs the unmodified model", info,
                          command_line(f"OMP_NUM_THREADS={a.threads} "), load_after=load_str())
     lines += [f"Embedded model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF dequantized), {a.dtype} on {a.device}; "
-              f"snapkv, budget {a.budget}, kernel query block {a.block}; seeded random tokens; one process per cell. "
+              f"snapkv, budget {a.budget}, kernel query block {a.block or 'automatic'}; seeded random tokens; one process per cell. "
               f"Goals (issue 9): {GOALS}.", "",
               *md_table(["tokens", "side", "prefill s", "time / full", "MB above weights", "memory / full",
                          "compile run s", "next token vs full"], rows)]

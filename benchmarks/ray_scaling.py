@@ -28,7 +28,8 @@ from _common import ROOT, emit, env_info, header_lines, load_str, md_table, setu
 
 # What must not depend on where a row ran (timings and the process's environment may).
 SAME = ("prediction", "score", "output_tokens", "kv_allocated_bytes", "kv_held_bytes", "kernel_fingerprint",
-        "layer_budgets", "shared_prefill", "n_tokens", "depth", "headroom", "window", "rule_params")
+        "layer_budgets", "shared_prefill", "n_tokens", "depth", "headroom", "window", "rule_params",
+        "protocol", "budget", "budget_fraction", "answer_logprob", "answer_logprob_mean")
 RULES = "full,streamingllm,snapkv,knorm,tova"
 BUDGETS = "128,256,512"
 

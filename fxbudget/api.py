@@ -66,7 +66,7 @@ def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: in
 
 
 def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *, chunk_size: int | None = None,
-            backend: str | None = "inductor", headroom: int = 0, block: int = DEFAULT_BLOCK,
+            backend: str | None = "inductor", headroom: int = 0, block: int | None = DEFAULT_BLOCK,
             **rule_params) -> nn.Module:
     """Run `model` with a KV cache of at most `budget` entries per layer and KV head, evicting with `rule`.
 
@@ -202,7 +202,7 @@ class BudgetForward:
     _failure: str | None = None  # set when the first call found nothing to budget
 
     def __init__(self, model: nn.Module, rule: Rule, budget: int, *, chunk_size: int | None,
-                 backend: str | None, headroom: int, block: int = DEFAULT_BLOCK):
+                 backend: str | None, headroom: int, block: int | None = DEFAULT_BLOCK):
         self.model, self.rule, self.budget, self.block = model, rule, budget, block
         self.chunk_size, self.backend, self.headroom = chunk_size, backend, headroom
         self.window = kernel_window(rule)
@@ -381,7 +381,7 @@ def _maskless_attention(model):
         model.set_attn_implementation(impl)
 
 
-def _captured_graphs(model, input_ids, rule, budget, cache, rule_params, *, block: int = DEFAULT_BLOCK,
+def _captured_graphs(model, input_ids, rule, budget, cache, rule_params, *, block: int | None = DEFAULT_BLOCK,
                      decode: bool = False) -> list[fx.GraphModule]:
     """The rewritten graphs of one forward on `input_ids` (and, with `decode`, of one more token after it)."""
     check_block(block)

@@ -36,7 +36,7 @@ def kernel_window(rule: Rule) -> int:
 
 def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
                  on_graph: Callable[[fx.GraphModule], None] | None = None, cudagraphs: bool = False,
-                 block: int = DEFAULT_BLOCK, **rule_params):
+                 block: int | None = DEFAULT_BLOCK, **rule_params):
     """A Dynamo backend that rewrites SDPA for `rule` and compiles with `inner`.
 
     Args:

@@ -1,7 +1,8 @@
 """The `fxbudget` command: `compare` (the comparison grid), `report`, `rules`, `inspect`.
 
     fxbudget compare --tasks passkey,niah_multikey --lengths 2000 --budgets 64,128,256 --samples 3 --out runs/demo
-    fxbudget report runs/a runs/b --out runs/merged
+    fxbudget compare --budgets 12.5%,25%,50% --protocol query-agnostic,query-aware --out runs/both
+    fxbudget report runs/a runs/b --out runs/merged --sort likelihood
     fxbudget rules
     fxbudget inspect --rule snapkv --budget 64 --tokens 16 [--layer 3] [--full]
 """
@@ -22,6 +23,27 @@ def _ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _budgets(text: str) -> list[int | str]:
+    """`128,256` (KV entries) or `12.5%,25%` (fractions of each sample's context)."""
+    from .harness.runner import budget_fraction
+
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        spec = item if item.endswith("%") else None
+        if spec is None:
+            try:
+                spec = int(item)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"a budget is an int or a percentage such as 12.5%, got {item!r}") \
+                    from None
+        try:
+            budget_fraction(spec)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        out.append(spec)
+    return out
 
 
 def _names(text: str) -> list[str]:
@@ -76,15 +98,15 @@ def _setup_threads(threads: int | None) -> None:
 
 
 def cmd_compare(args) -> int:
-    from .harness.report import accuracy_table, load_rows, report
+    from .harness.report import accuracy_table, likelihood_table, load_rows, report
     from .harness.malloc import tune_malloc
     from .harness.runner import Grid, Runner
     from .models import load_model
 
     grid = Grid(tasks=args.tasks, lengths=args.lengths, rules=args.rules, budgets=args.budgets,
-                samples=args.samples, seed=args.seed, protocol=args.protocol, chunk_size=args.chunk_size,
+                samples=args.samples, seed=args.seed, protocols=args.protocol, chunk_size=args.chunk_size,
                 backend=_backend(args.backend), share_prefill=not args.no_share_prefill, rule_params=_params(args.param),
-                task_files=args.task_file)
+                task_files=args.task_file, likelihood=not args.no_likelihood)
     try:
         grid.validate()
     except (ValueError, TypeError, FileNotFoundError) as e:
@@ -108,7 +130,8 @@ def cmd_compare(args) -> int:
         raise SystemExit(f"fxbudget compare: {e}") from None
     todo = sum(len(t) for _, t in plan)
     print(f"[fxbudget] {name}: {todo} rows to run on {len(plan)} samples "
-          f"(protocol {grid.protocol}, prefill {'shared per sample' if grid.shares_prefill else 'per rule'}, "
+          f"(protocol {','.join(grid.protocols)}, "
+          f"prefill {'shared per sample' if grid.shares_prefill else 'per rule'}, "
           f"backend {grid.backend or 'none (eager kernel)'}); results in {runner.path}", file=sys.stderr)
     if grid.share_prefill and not grid.shares_prefill:
         print("[fxbudget] prefill is not shared: it needs one-call prefill (no --chunk-size) on the eager kernel "
@@ -122,11 +145,16 @@ def cmd_compare(args) -> int:
     wall = time.perf_counter() - start
     print(f"[fxbudget] done in {wall:.0f} s (compile {runner.compile_s:.0f} s, run {runner.run_s:.0f} s)",
           file=sys.stderr)
-    path = report([args.out])
-    rows = [r for r in load_rows([args.out]) if r["protocol"] == grid.protocol]
-    print(f"\naccuracy, protocol {grid.protocol} (mean score over samples; samples in parentheses):\n")
-    print(accuracy_table(rows))
-    print(f"\nreport: {path}\nplots and summary.csv: {path.parent}")
+    path = report([args.out], sort=args.sort)
+    rows = [r for r in load_rows([args.out]) if r["protocol"] in grid.protocols]
+    print(f"\naccuracy, protocols side by side (mean [95% interval] (samples); rules by {args.sort}):\n")
+    print(accuracy_table(rows, args.sort, by_setting=True))
+    likelihood = likelihood_table(rows, args.sort, by_setting=True)
+    if likelihood:
+        print("\nanswer log-likelihood per token, rule minus the unmodified model on the same sample (nats; "
+              "mean [95% interval] (samples)):\n")
+        print(likelihood)
+    print(f"\nreport (paired comparisons per budget): {path}\nplots, summary.csv, paired.csv: {path.parent}")
     return 0
 
 
@@ -148,7 +176,7 @@ def cmd_report(args) -> int:
     from .harness.report import report
 
     try:
-        path = report(args.dirs, args.out)
+        path = report(args.dirs, args.out, sort=args.sort)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"fxbudget report: {e}") from None
     print(path.read_text())
@@ -217,10 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--lengths", type=_ints, default=joined(d.lengths), help="context lengths in tokens")
     c.add_argument("--rules", type=_names, default=joined(d.rules),
                    help="'full' = the unmodified model (reference row); see `fxbudget rules`")
-    c.add_argument("--budgets", type=_ints, default=joined(d.budgets), help="KV entries per layer and KV head")
+    c.add_argument("--budgets", type=_budgets, default=joined(d.budgets), help="KV entries per layer and KV head "
+                   "(128), or percentages of each sample's context tokens (12.5%%); one kind per run")
     c.add_argument("--samples", type=int, default=d.samples, help="samples per task and length")
     c.add_argument("--seed", type=int, default=d.seed, help="seed of the generated task samples")
-    c.add_argument("--protocol", choices=PROTOCOLS, default=d.protocol, help="when eviction may happen; see the README")
+    c.add_argument("--protocol", type=_names, default=joined(d.protocols), help=f"comma-separated, from: "
+                   f"{', '.join(PROTOCOLS)}; several run in one pass (each protocol's prefill once per sample)")
     c.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default: one call)")
     c.add_argument("--backend", default="none", choices=["none", "inductor", "aot_eager", "eager"],
                    help="'none' runs fxbudget's kernel eagerly; 'inductor' compiles it (slow first compiles on CPU)")
@@ -242,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gpus-per-worker", type=float, default=None, help="with --ray: GPUs each worker holds "
                    "(default: 0 = CPU; more than 1 spreads the model's layers over them)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--no-likelihood", action="store_true", help="skip the answer log-likelihood forward")
+    c.add_argument("--sort", choices=["accuracy", "likelihood"], default="accuracy", help="order of the rules in "
+                   "the tables")
     c.add_argument("--default-malloc", action="store_true", help="keep glibc's default malloc (by default freed "
                    "heap pages are kept: large per-call temporaries then cost no page faults; see harness/malloc.py)")
     c.set_defaults(func=cmd_compare)
@@ -249,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="merge result folders (e.g. shards) into one report")
     r.add_argument("dirs", nargs="+")
     r.add_argument("--out", default=None, help="where to write (default: the first folder)")
+    r.add_argument("--sort", choices=["accuracy", "likelihood"], default="accuracy", help="order of the rules in "
+                   "the tables")
     r.set_defaults(func=cmd_report)
 
     rl = sub.add_parser("rules", help="list the registered rules")

@@ -41,7 +41,7 @@ def require_interceptor() -> "BudgetAttentionMode":
 class BudgetAttentionMode(TorchFunctionMode):
     """Replace SDPA over a BudgetCache's candidates with `budget_attention(rule)`, eagerly."""
 
-    def __init__(self, rule: Rule, window: int, sliding_rule: Rule, block: int = DEFAULT_BLOCK):
+    def __init__(self, rule: Rule, window: int, sliding_rule: Rule, block: int | None = DEFAULT_BLOCK):
         super().__init__()
         self.rule, self.window, self.sliding_rule, self.block = rule, window, sliding_rule, block
         self.pending: dict[int, int] = {}  # marker calls not (yet) consumed by an SDPA call: id -> layer

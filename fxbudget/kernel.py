@@ -27,10 +27,9 @@ from .rule_contract import NoMutation, RuleContractError, check_output  # noqa: 
 from .rules.base import Rule, Signals
 
 DEFAULT_WINDOW = 32  # observation window shared by all rules of a run (snapkv's paper default)
-# Queries per block of `measure`: a kernel setting shared by every rule. A call's attention temporaries are
-# O(block x candidates): with 128, a 16K-token prefill's block buffer is ~120 MB (7 query heads per KV head, fp32),
-# while the block's matmuls stay large enough for BLAS (64-256 ran equally fast here; 512 was slower).
-DEFAULT_BLOCK = 128
+# Queries per block of `measure`: a kernel setting shared by every rule (None = `auto_block`). A call's attention
+# temporaries are O(block x candidates) whatever its length.
+DEFAULT_BLOCK = None
 
 # Names of the tensors `measure` returns after the attention output and the totals: the `Signals` tensor fields.
 SIGNAL_NAMES = (
@@ -45,7 +44,7 @@ TOTALED = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_no
 def measure(
     q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor,
     k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, *, window: int, sliding: int,
-    scale: float | None, block: int = DEFAULT_BLOCK, traced: bool = False,
+    scale: float | None, block: int | None = DEFAULT_BLOCK, traced: bool = False,
 ) -> tuple[Tensor, ...]:
     """Attention output `[batch, q_heads, n, head_dim]`, signal totals, then the signal tensors (`SIGNAL_NAMES`).
 
@@ -79,7 +78,7 @@ def measure(
         live = 0
     blk = _Block(k_slots[:, :, :live], v_slots[:, :, :live], slot_pos[..., :live], k_new, v_new, qpos.unsqueeze(1),
                  scale, sliding, acc)
-    R = min(block, n)
+    R = min(block or auto_block(b * q.shape[1], n, q.device), n)
     if n <= R:
         out, sig_s, sig_n = blk(queries, qpos, weights, 0, n)
     elif traced:
@@ -312,18 +311,31 @@ def evict(
     totals_buf.copy_(totals)
 
 
+def auto_block(rows: int, n: int, device: torch.device) -> int:
+    """The default query block of a call of `n` tokens with `rows` query rows per token (batch x query heads): the
+    largest power of two in [16, 1024] whose [queries x new tokens] fp32 buffer stays within 8 MB on CPU (a block's
+    five passes then run in cache: on the embedded model, 8K tokens took 1.6x SDPA's time with blocks of 16 and
+    1.9x with 128) and 1 GB on an accelerator (fewer, larger launches). It depends on the call's length and shapes
+    only, never on the rule or the number of slots (a shared prefill is branched bit-exactly).
+    """
+    floats = 2**21 if torch.device(device).type == "cpu" else 2**28
+    fit = max(1, floats // max(1, rows * n))
+    return 1 << max(4, min(10, fit.bit_length() - 1))
+
+
 def check_block(block) -> None:
-    """`block` must be an int >= 2: the compiled loop's block bounds are data, and a block of one query would leave
-    the compiler unable to tell a one-token range from a broadcast (a block of one query is never useful anyway)."""
-    if isinstance(block, bool) or not isinstance(block, int) or block < 2:
-        raise ValueError(f"block must be an int >= 2 (queries per block of the measure phase), got {block!r}")
+    """`block` is None (`auto_block`) or an int >= 2: the compiled loop's block bounds are data, and a block of one
+    query would leave the compiler unable to tell a one-token range from a broadcast (nor is it ever useful)."""
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 2):
+        raise ValueError(f"block must be None (automatic) or an int >= 2 (queries per block of the measure phase), "
+                         f"got {block!r}")
 
 
 def budget_attention(
     q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
     k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor | None = None, *,
     rule: Rule, budget: int, keep: int | None = None, sliding: int = 0, window: int = DEFAULT_WINDOW,
-    scale: float | None = None, block: int = DEFAULT_BLOCK,
+    scale: float | None = None, block: int | None = DEFAULT_BLOCK,
 ) -> Tensor:
     """Budget-aware attention for one layer and one call; updates the slot tensors in place.
 

@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxbudget
 from fxbudget import rules
-from fxbudget.kernel import SIGNAL_NAMES, TOTALED, budget_attention, measure
+from fxbudget.kernel import SIGNAL_NAMES, TOTALED, auto_block, budget_attention, measure
 from fxbudget.passes.sdpa import trace_kernel
 from conftest import fresh, greedy, tiny_model
 
@@ -145,12 +145,12 @@ def test_traced_graph_does_not_grow_with_the_call():
 def test_bad_block():
     model = tiny_model("llama")
     for block in (0, 1, -2, 2.5, True, "8"):
-        with pytest.raises(ValueError, match="block must be an int >= 2"):
+        with pytest.raises(ValueError, match=r"block must be None \(automatic\) or an int >= 2"):
             fxbudget.compile(model, budget=8, block=block)
         assert "forward" not in vars(model)
     inputs = _call()
     before = {k: v.clone() for k, v in inputs.items()}
-    with pytest.raises(ValueError, match="block must be an int >= 2"):
+    with pytest.raises(ValueError, match=r"block must be None \(automatic\) or an int >= 2"):
         budget_attention(**inputs, rule=rules.get("h2o"), budget=7, block=0)
     assert all(torch.equal(inputs[k], before[k]) for k in inputs)  # a refused call changes nothing
 
@@ -181,3 +181,15 @@ def test_inductor_blocks_equal_eager():
     assert (got - ref).abs().max().item() <= 1e-4
     for i in range(len(cache.layers)):
         assert torch.equal(cache.positions(i), ref_cache.positions(i)), i
+
+
+def test_auto_block():
+    """The default block keeps a block's [queries x new tokens] buffer cache-sized on CPU (8 MB) and large on an
+    accelerator; it is a power of two in [16, 1024] and depends on the call only (never on the slots or the rule)."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert [auto_block(14, n, cpu) for n in (1, 2048, 4096, 8192, 131072)] == [1024, 64, 32, 16, 16]
+    assert [auto_block(14, n, gpu) for n in (2048, 32768, 131072)] == [1024, 512, 128]
+    for n in (1, 100, 5000, 70000):
+        blk = auto_block(14, n, cpu)
+        assert 16 <= blk <= 1024 and blk & (blk - 1) == 0
+        assert blk == 16 or 14 * blk * n * 4 <= 8 * 2**20

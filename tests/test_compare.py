@@ -1,4 +1,5 @@
-"""`fxbudget compare` end to end on a tiny random model (CLI, rows, report, plots, resume, shards, protocols)."""
+"""`fxbudget compare` end to end on a tiny random model (CLI, rows, report, plots, resume, shards, protocols,
+relative budgets, the answer likelihood)."""
 
 import csv
 import json
@@ -14,16 +15,20 @@ import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from fxbudget.cli import main
-from fxbudget.harness.report import load_rows
 from fxbudget import kernel_fingerprint, rules
+from fxbudget.harness import runner
+from fxbudget.harness.report import load_rows, rule_order
+from fxbudget.harness.tasks import answer_ids, chat_ids, make_samples
 from fxbudget.models import default_cache_dir, load_default, load_model
 
 GRID = ["--tasks", "passkey,niah_multikey", "--lengths", "300", "--rules", "full,snapkv,streamingllm,h2o,pyramidkv",
-        "--param", "pyramidkv.window=8", "--budgets", "32,4096", "--samples", "2", "--max-new-tokens", "4", "--quiet"]
+        "--budgets", "48,4096", "--samples", "2", "--max-new-tokens", "4", "--quiet"]
 ROW_FIELDS = ("model", "rule", "rule_params", "budget", "protocol", "chunk_size", "window", "dtype", "device", "torch",
               "transformers", "kernel_fingerprint", "peak_mem_bytes", "shared_prefill_peak_mem_bytes",
               "kv_allocated_bytes", "kv_held_bytes", "prefill_s", "decode_s",
-              "compile_s", "output_tokens", "prediction", "score", "depth", "n_tokens", "answers", "malloc")
+              "compile_s", "output_tokens", "prediction", "score", "depth", "n_tokens", "answers", "malloc",
+              "answer_tokens", "answer_logprob", "answer_logprob_mean", "likelihood_s", "budget_fraction",
+              "context_tokens")
 
 
 @pytest.fixture(scope="module")
@@ -65,17 +70,25 @@ def test_rows_report_and_plots(single_run):
     budgeted = [r for r in rows.values() if r["rule"] != "full"]
     assert len({r["kernel_fingerprint"] for r in budgeted}) == 1  # one shared kernel
     assert all(r["shared_prefill"] for r in budgeted)
-    small = [r for r in budgeted if r["budget"] == 32]
+    small = [r for r in budgeted if r["budget"] == 48]
     full_held = min(x["kv_held_bytes"] for x in rows.values() if x["rule"] == "full")
     assert all(r["kv_held_bytes"] < full_held for r in small)
     assert all(r["kv_held_bytes"] <= r["kv_allocated_bytes"] for r in rows.values())
     assert all(r["kv_held_bytes"] < r["kv_allocated_bytes"] / 4 for r in budgeted if r["budget"] == 4096)  # empty
-    for name in ("report.md", "summary.csv", "accuracy_vs_budget.png", "heatmap_snapkv.png", "run.json"):
+    for name in ("report.md", "summary.csv", "paired.csv", "accuracy_vs_budget.png", "likelihood_vs_budget.png",
+                 "heatmap_snapkv.png", "run.json"):
         assert (out / name).stat().st_size > 0, name
     report = (out / "report.md").read_text()
     assert "| full (unmodified model) |" in report and "one shared kernel" in report
+    assert "#### B=48: 4 paired samples" in report and "| rule | accuracy [95% CI] | Δ vs best |" in report
     summary = list(csv.DictReader((out / "summary.csv").open()))
     assert {s["rule"] for s in summary} == {"full", "snapkv", "streamingllm", "h2o", "pyramidkv"}
+    for s in summary:
+        assert float(s["accuracy_lo"]) <= float(s["accuracy"]) <= float(s["accuracy_hi"])
+        assert s["accuracy_interval"] == "clopper-pearson"  # single-answer tasks: every score is 0 or 1
+    paired = list(csv.DictReader((out / "paired.csv").open()))
+    assert {(p["metric"], p["budget"], p["task"]) for p in paired} >= {("likelihood", "48", "all"),
+                                                                        ("accuracy", "4096", "passkey")}
 
 
 def test_budget_covering_context_equals_full(single_run):
@@ -86,6 +99,75 @@ def test_budget_covering_context_equals_full(single_run):
     assert len(covering) == 16
     for r in covering:
         assert r["prediction"] == full[(r["task"], r["sample"])], (r["rule"], r["task"], r["sample"])
+
+
+def test_likelihood_covering_budget_and_reference(single_run, tiny_dir):
+    """The reference row's answer log-likelihood equals a direct forward of the unmodified model over prompt +
+    answer; with a budget covering the context every rule gets it too (up to 1e-4); a small budget loses some."""
+    _, rows = single_run
+    model = Qwen2ForCausalLM.from_pretrained(tiny_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    full = {(r["task"], r["sample"]): r for r in rows.values() if r["rule"] == "full"}
+    for (task, i), ref in full.items():
+        sample = make_samples(task, tok, 300, 2)[i]
+        ctx, question = chat_ids(tok, sample)
+        answer = answer_ids(tok, sample)
+        with torch.no_grad():
+            logits = model(torch.cat([ctx, question, answer], dim=1)).logits[0, -answer.shape[1] - 1:-1]
+        direct = torch.log_softmax(logits.float(), -1).gather(-1, answer[0, :, None]).double()
+        assert ref["answer_tokens"] == answer.shape[1]
+        assert ref["answer_logprob"] == pytest.approx(float(direct.sum()), abs=1e-4)
+        assert ref["answer_logprob_mean"] == pytest.approx(float(direct.mean()), abs=1e-4)
+    for r in rows.values():
+        ref = full[(r["task"], r["sample"])]["answer_logprob"]
+        if r["budget"] == 4096:
+            assert r["answer_logprob"] == pytest.approx(ref, abs=1e-4), (r["rule"], r["task"], r["sample"])
+    small = [r["answer_logprob"] - full[(r["task"], r["sample"])]["answer_logprob"] for r in rows.values()
+             if r["budget"] == 48]
+    assert max(abs(d) for d in small) > 1e-3  # the metric sees the eviction
+
+
+def test_relative_budgets_and_protocols_in_one_run(tiny_dir, tmp_path, monkeypatch):
+    """`--budgets 10%,100%` over three protocols: budgets follow each sample's context; one shared prefill per
+    distinct prefilled sequence (query-agnostic and streaming share the context's); the reference runs once."""
+    prefills = []
+    real = runner.shared_prefill
+    monkeypatch.setattr(runner, "shared_prefill", lambda model, ids: prefills.append(ids.shape[1]) or real(model, ids))
+    out = tmp_path / "rel"
+    assert main(["compare", "--model", tiny_dir, "--tasks", "passkey", "--lengths", "300", "--rules",
+                 "full,snapkv,h2o", "--budgets", "10%,100%", "--samples", "2", "--max-new-tokens", "4", "--quiet",
+                 "--protocol", "query-agnostic,streaming,query-aware", "--out", str(out)]) == 0
+    rows = load_rows([out])
+    assert len(rows) == 2 * 3 * (1 + 2 * 2)  # samples x protocols x (reference + rules x budgets)
+    assert len(prefills) == 2 * 2  # per sample: the context once, context + question once
+    for r in rows:
+        if r["rule"] == "full":
+            assert r["budget"] is None and r["budget_fraction"] is None
+        else:
+            assert r["budget_fraction"] in (0.1, 1.0) and r["shared_prefill"]
+            assert r["budget"] == int(r["budget_fraction"] * r["context_tokens"])  # floored fraction of the context
+    refs = {}
+    for r in rows:
+        if r["rule"] == "full":
+            refs.setdefault(r["sample"], []).append(r)
+    for same in refs.values():  # computed once, written once per protocol
+        assert sorted(r["protocol"] for r in same) == ["query-agnostic", "query-aware", "streaming"]
+        assert len({(r["prefill_s"], r["answer_logprob"], r["prediction"]) for r in same}) == 1
+    ref = {r["sample"]: r for r in rows if r["rule"] == "full"}
+    for r in rows:  # 100% of the context covers query-agnostic (the others evict as the question comes in)
+        if r["budget_fraction"] == 1.0 and r["protocol"] == "query-agnostic":
+            assert r["answer_logprob"] == pytest.approx(ref[r["sample"]]["answer_logprob"], abs=1e-4)
+            assert r["prediction"] == ref[r["sample"]]["prediction"]
+    report = (out / "report.md").read_text()
+    assert "## settings side by side" in report and "| query-aware, B=10% |" in report
+    assert "#### B=100%: 2 paired samples" in report
+    summary = list(csv.DictReader((out / "summary.csv").open()))
+    assert {s["budget"] for s in summary if s["rule"] != "full"} == {"10%", "100%"}
+    assert main(["report", str(out), "--sort", "likelihood"]) == 0
+    order = rule_order([r for r in rows if r["protocol"] == "streaming"], "likelihood")[1:]
+    means = [sum(r["answer_logprob_mean"] for r in rows if r["rule"] == x and r["protocol"] == "streaming")
+             for x in order]
+    assert means == sorted(means, reverse=True)
 
 
 def test_resume_skips_completed_rows(single_run, tiny_dir, tmp_path):
@@ -194,6 +276,13 @@ def test_bad_arguments_fail_clearly(tiny_dir, tmp_path):
         main(["report", str(tmp_path)])
     with pytest.raises(SystemExit):
         main(["compare", "--shard", "2/2"])
+    with pytest.raises(SystemExit, match="mix absolute"):
+        main(["compare", "--model", tiny_dir, "--budgets", "128,12.5%", "--out", str(tmp_path)])
+    for bad in ("0%", "150%", "x%", "12.5"):
+        with pytest.raises(SystemExit):
+            main(["compare", "--model", tiny_dir, "--budgets", bad, "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="protocols must be"):
+        main(["compare", "--model", tiny_dir, "--protocol", "query-aware,nope", "--out", str(tmp_path)])
 
 
 def test_help_names_each_default_once(capsys):
@@ -296,3 +385,15 @@ def test_peaks_recorded_per_row_and_for_the_shared_prefill(tiny_dir, tmp_path, m
     assert len(shared) == 1 and None not in shared  # one shared forward, its own peak
     peaks = [rows[r]["peak_mem_bytes"] for r in ("full", "h2o", "knorm")] + list(shared)
     assert len(set(peaks)) == 4  # each row and the shared forward measured apart
+
+
+def test_demo_grid_parses_and_validates():
+    from fxbudget.cli import build_parser
+    from fxbudget.demo import DEMO_ARGS
+
+    args = build_parser().parse_args(DEMO_ARGS)
+    assert args.protocol == ["query-agnostic", "query-aware"] and args.budgets == ["12.5%", "25%"]
+    grid = runner.Grid(tasks=args.tasks, lengths=args.lengths, rules=args.rules, budgets=args.budgets,
+                       samples=args.samples, protocols=args.protocol)
+    grid.validate()
+    assert len(runner.units(grid)) * len(runner.configs(grid)) == 8 * 2 * (1 + 5 * 2)

@@ -41,8 +41,9 @@ def test_chunked_prefill_memory_does_not_grow():
     model = tiny_model("llama")
     budget, chunk = 16, 8
 
-    def run(length, chunk_size):
-        m = fxbudget.compile(fresh(model), rule="snapkv", budget=budget, backend="eager", chunk_size=chunk_size)
+    def run(length, chunk_size, block=None):
+        m = fxbudget.compile(fresh(model), rule="snapkv", budget=budget, backend="eager", chunk_size=chunk_size,
+                             block=block)
         with torch.no_grad():
             m(input_ids=torch.randint(0, 96, (1, length)))
         return m.forward.graphs
@@ -56,7 +57,7 @@ def test_chunked_prefill_memory_does_not_grow():
     # Without chunks, a 256-token prefill is one call whose measure phase loops over query blocks (a scan, whose body
     # is traced once): nothing in the graph is [queries x candidates] of the whole call (tests/test_blocks.py bounds
     # the block's own temporaries).
-    one_call = run(256, None)
+    one_call = run(256, None, block=32)  # the automatic block would cover 256 queries at once
     assert any(n.target is torch.ops.higher_order.scan for gm in one_call for n in gm.graph.nodes)
     assert _largest_value(one_call) < heads * 256 * 256
 

@@ -15,14 +15,17 @@ from fxbudget.harness.report import load_rows
 from fxbudget.harness.runner import Grid
 from test_compare import tiny_dir  # noqa: F401  (fixture: a tiny random Qwen2 with the real tokenizer)
 
-# Passkey samples of 3000 tokens: each sample (unit) has 5 rows and takes ~0.5 s, long enough to kill its worker
-# between its first and last row.
-RULES, BUDGETS, SAMPLES, LENGTH, NEW = "full,snapkv,knorm", "64,4096", 3, 3000, 4
-ARGS = ["--tasks", "passkey", "--lengths", str(LENGTH), "--rules", RULES,
-        "--budgets", BUDGETS, "--samples", str(SAMPLES), "--max-new-tokens", str(NEW), "--quiet"]
+# Passkey samples of 2000 tokens, two protocols sharing one prefill, relative budgets (3% evicts, 100% covers the
+# context): each sample (unit) has 2 x (1 + 2 x 2) = 10 rows, long enough to kill its worker between its first and
+# last row.
+RULES, BUDGETS, PROTOCOLS, SAMPLES, LENGTH, NEW = "full,snapkv,knorm", "3%,100%", "query-agnostic,streaming", 3, 2000, 4
+ROWS_PER_SAMPLE = 10
+ARGS = ["--tasks", "passkey", "--lengths", str(LENGTH), "--rules", RULES, "--budgets", BUDGETS,
+        "--protocol", PROTOCOLS, "--samples", str(SAMPLES), "--max-new-tokens", str(NEW), "--quiet"]
 # What must not depend on where a row ran.
 SAME = ("prediction", "score", "output_tokens", "kv_allocated_bytes", "kv_held_bytes", "kernel_fingerprint",
-        "layer_budgets", "shared_prefill", "n_tokens", "depth", "headroom", "window", "rule_params")
+        "layer_budgets", "shared_prefill", "n_tokens", "depth", "headroom", "window", "rule_params",
+        "protocol", "budget", "budget_fraction", "answer_logprob", "answer_logprob_mean")
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +36,17 @@ def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def idle_ray(local_ray):
+    """The local Ray once both CPUs are free again: a run kills its workers when it ends, but Ray hands their CPUs
+    back a moment later, and a next run sizes itself on what is free."""
+    deadline = time.monotonic() + 30
+    while local_ray.available_resources().get("CPU", 0) < 2:
+        assert time.monotonic() < deadline, f"the local Ray did not free its CPUs: {local_ray.available_resources()}"
+        time.sleep(0.1)
+    return local_ray
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +66,7 @@ def _assert_same_rows(rows: dict, serial: dict):
         assert {f: row.get(f) for f in SAME} == {f: serial[key].get(f) for f in SAME}, key
 
 
-def test_rows_equal_the_serial_run_and_resume(tiny_dir, local_ray, serial, tmp_path):  # noqa: F811
+def test_rows_equal_the_serial_run_and_resume(tiny_dir, idle_ray, serial, tmp_path):  # noqa: F811
     """Resuming from the serial run's first rows (one sample cut after its 4th row), 2 workers write the rest: every
     row once, equal to the serial run's; a rerun has nothing left to do."""
     out = tmp_path / "out"
@@ -65,25 +79,28 @@ def test_rows_equal_the_serial_run_and_resume(tiny_dir, local_ray, serial, tmp_p
     assert len(keys) == len(set(keys)) == len(serial)
     assert [r["key"] for r in lines[:4]] == [r["key"] for r in first]  # only the missing rows ran
     _assert_same_rows({r["key"]: r for r in lines}, serial)
+    assert {(r["protocol"], r["budget_fraction"]) for r in lines} == {
+        (p, f) for p in PROTOCOLS.split(",") for f in (None, 0.03, 1.0)}
     assert json.loads((out / "run.json").read_text())["ray"]["workers"] == 2
     assert main(["report", str(out)]) == 0 and (out / "report.md").is_file()
     assert main(["compare", "--model", tiny_dir, *ARGS, "--out", str(out), "--ray", "--workers", "2"]) == 0
     assert len(_lines(out / "results.jsonl")) == len(serial)
 
 
-def test_killed_worker_loses_nothing(tiny_dir, local_ray, serial, tmp_path):  # noqa: F811
+def test_killed_worker_loses_nothing(tiny_dir, idle_ray, serial, tmp_path):  # noqa: F811
     """SIGKILL a worker once the driver holds some of its sample's rows: the sample runs again (on whichever worker
     is free), its partial rows are dropped, the run completes with every row exactly once."""
     from fxbudget.harness.ray_runner import RayOptions, RayRunner
 
-    grid = Grid(tasks=["passkey"], lengths=[LENGTH], rules=RULES.split(","), budgets=[64, 4096], samples=SAMPLES)
+    grid = Grid(tasks=["passkey"], lengths=[LENGTH], rules=RULES.split(","), budgets=BUDGETS.split(","),
+                protocols=PROTOCOLS.split(","), samples=SAMPLES)
     runner = RayRunner(tiny_dir, grid, tmp_path, progress=False, max_new_tokens=NEW, options=RayOptions(workers=2))
     killed, stop = [], threading.Event()
 
     def kill_one():
         while not stop.is_set():
             for pid, (unit, received) in list(runner.busy.items()):
-                if 1 <= received < 5:  # rows arrived, the sample is not complete
+                if 1 <= received < ROWS_PER_SAMPLE:  # rows arrived, the sample is not complete
                     os.kill(pid, signal.SIGKILL)
                     killed.append((pid, unit))
                     return
@@ -105,7 +122,7 @@ def test_killed_worker_loses_nothing(tiny_dir, local_ray, serial, tmp_path):  # 
     _assert_same_rows({r["key"]: r for r in written}, serial)
 
 
-def test_more_workers_than_the_cluster_has_room_for(tiny_dir, local_ray, tmp_path):  # noqa: F811
+def test_more_workers_than_the_cluster_has_room_for(tiny_dir, idle_ray, tmp_path):  # noqa: F811
     from fxbudget.harness.ray_runner import RayOptions, RayRunner
 
     grid = Grid(tasks=["passkey"], lengths=[LENGTH], rules=["full"], budgets=[64], samples=SAMPLES)

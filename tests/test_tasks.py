@@ -216,3 +216,23 @@ def test_chat_ids_without_template(tok):
     ctx, question = chat_ids(NoTemplate(), s)
     assert tok.decode(ctx[0]) == s.context
     assert tok.decode(question[0]) == f"\n\n{s.question}\nAnswer: {s.answer_prefix}"
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_answer_ids_continue_the_prompt(tok, task):
+    """The likelihood metric's tokens: the answers joined as the task expects them, tokenized exactly as the whole
+    prompt + answer text would be (no token merges across the boundary)."""
+    s = TASKS[task](tok, 500, seed=1)
+    _, question = chat_ids(tok, s)
+    answer = T.answer_ids(tok, s)
+    text = T.answer_text(tok, s)
+    assert text == " " + ", ".join(s.answers) and tok.decode(answer[0]) == text
+    joint = tok(tok.decode(question[0]) + text, add_special_tokens=False).input_ids
+    assert joint == question[0].tolist() + answer[0].tolist()
+    assert score(s, text) == 1.0
+
+
+def test_answer_text_after_template_without_prefix(tok):
+    s = Sample("mine", "ctx", "q?", ["red", "blue"])
+    assert T.answer_text(tok, s) == "red, blue"  # straight after the assistant header
+    assert T.answer_text(tok, Sample("mine", "ctx", "q?", ["red"], "Colour: ")) == "red"

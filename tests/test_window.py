@@ -48,7 +48,7 @@ def _row(rule, window, **kw):
             "threads": 1, "kernel_fingerprint": "ab" * 32, "protocol": "query-agnostic", "chunk_size": None,
             "backend": "none", "task": "passkey", "n_tokens": 100, "rule": rule, "budget": 8, "score": 1.0,
             "prefill_s": 1.0, "decode_s": 1.0, "output_tokens": 3, "kv_bytes": 1024, "compile_s": 0.0,
-            "shared_prefill": False, "branch_s": None, "window": window, **kw}
+            "shared_prefill": False, "branch_s": None, "window": window, "sample": 0, "seed": 0, **kw}
 
 
 def test_report_header_names_the_window():

@@ -57,7 +57,7 @@ class SharedPrefill:
 
 
 def shared_prefill(model: nn.Module, input_ids: Tensor, *, window: int = DEFAULT_WINDOW,
-                   block: int = DEFAULT_BLOCK) -> SharedPrefill:
+                   block: int | None = DEFAULT_BLOCK) -> SharedPrefill:
     """Run `model` once on `input_ids` (unmodified HF causal LM, one call on an empty cache) and record it.
 
     Args:

@@ -1,7 +1,7 @@
 """`fxbudget compare --ray`: the grid's samples run on Ray actors; this process plans and is the only writer.
 
-A work unit is one sample with every `(rule, budget)` configuration still to run on it (`Runner.plan()`), so the
-shared prefill still runs once per sample. Each worker is a Ray actor that loads the model once and holds
+A work unit is one sample with every `(protocol, rule, budget)` configuration still to run on it (`Runner.plan()`),
+so each shared prefill still runs once per sample. Each worker is a Ray actor that loads the model once and holds
 `cpus_per_worker` CPUs and `gpus_per_worker` GPUs (more than one GPU: the model is spread over them with
 `device_map="auto"`, each layer's cache slots on its layer's device). A worker streams a unit's rows back as each
 finishes (the progress bar counts them); the driver appends the unit's rows to the results file, through the same
@@ -289,7 +289,7 @@ class RayRunner:
         all of them: otherwise each worker would trace every rule on its first sample."""
         ray = self.ray
         t0 = time.perf_counter()
-        rules = sorted({rule for _, todo in plan for rule, _ in todo if rule != REFERENCE})
+        rules = sorted({rule for _, todo in plan for _, rule, _ in todo if rule != REFERENCE})
         parts = [rules[i::len(actors)] for i in range(len(actors))]
         try:
             for part in ray.get([a.fingerprints.remote(p) for a, p in zip(actors, parts) if p]):

@@ -1,6 +1,6 @@
 """The comparison grid: rules x budgets x tasks x context lengths on one model, one JSONL row per sample.
 
-Protocols (DESIGN §6), a column of every row and never mixed:
+Protocols (DESIGN §6), a column of every row and never mixed (a run may hold several: `Grid.protocols`):
 - `query-agnostic` (default): the context is prefilled with eviction down to the budget; the question and the answer
   are then appended with eviction frozen (head-room allocated up front). The rule never sees the question.
 - `query-aware`: context and question are prefilled together with eviction; the answer is appended frozen.
@@ -9,11 +9,18 @@ Protocols (DESIGN §6), a column of every row and never mixed:
 The rule `full` is the reference row: the unmodified model with transformers' own cache, no fxbudget in the path.
 
 When the prefill is one call (no chunking) on the eager kernel, it is computed once per sample and the cache is
-branched per rule and budget (`fxbudget.harness.branch`, bit-identical to separate runs, tested).
+branched per rule and budget (`fxbudget.harness.branch`, bit-identical to separate runs, tested). Protocols that
+prefill the same tokens share it: the context for query-agnostic and streaming, context + question for query-aware.
+The reference row does not depend on the protocol: it runs once per sample and is written once per protocol.
+
+Budgets are absolute (`128`: KV entries per layer and KV head) or relative (`"12.5%"`: that fraction of each sample's
+context tokens, i.e. the prompt before the question, chat-template header included; floored as kvpress does); one
+kind per run. Every row also records the teacher-forced log-likelihood of the gold answer (`likelihood.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import math
@@ -21,6 +28,7 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Iterator
 
@@ -35,34 +43,67 @@ from ..cache_arg import cache_kwargs, output_cache
 from ..rules import get
 from . import results
 from .branch import branch, shared_prefill
+from .likelihood import answer_logprobs, finish_prompt, frozen_tokens
 from .malloc import malloc_setting
-from .tasks import TASKS, Sample, chat_ids, load_jsonl, make_samples, score
+from .tasks import TASKS, Sample, answer_ids, chat_ids, load_jsonl, make_samples, score
 
 PROTOCOLS = ("query-agnostic", "query-aware", "streaming")
 REFERENCE = "full"  # the unmodified model
 
 
+def budget_fraction(spec: int | str) -> float | None:
+    """The fraction of a relative budget (`"12.5%"` -> 0.125), None for an absolute one (a positive int).
+
+    Raises:
+        ValueError: anything else, or a percentage outside (0, 100].
+    """
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec < 1:
+            raise ValueError(f"an absolute budget must be a positive int, got {spec}")
+        return None
+    if isinstance(spec, str) and spec.endswith("%"):
+        try:
+            pct = Fraction(spec[:-1])
+        except ValueError:
+            pct = None
+        if pct is not None and 0 < pct <= 100:
+            return float(pct / 100)
+    raise ValueError(f"a budget is a positive int (KV entries) or a percentage in (0, 100] such as '12.5%', "
+                     f"got {spec!r}")
+
+
+def resolve_budget(spec: int | str, context_tokens: int) -> int:
+    """The absolute budget of `spec` for a sample whose context has `context_tokens` tokens (floor, at least 1)."""
+    if budget_fraction(spec) is None:
+        return spec
+    return max(1, math.floor(Fraction(spec[:-1]) / 100 * context_tokens))
+
+
 @dataclass
 class Grid:
     """What to run. `rules` may include "full" (the reference row, no budget); `rule_params` maps a rule name to
-    its hyperparameters; `task_files` are user JSONL files run in addition to the generated `tasks`."""
+    its hyperparameters; `task_files` are user JSONL files run in addition to the generated `tasks`; `budgets`
+    are ints (absolute) or percentages of each sample's context such as "12.5%" (one kind per run); `protocols`
+    run in one pass over the samples; `likelihood` adds the answer log-likelihood to every row."""
 
     tasks: list[str] = field(default_factory=lambda: ["passkey"])
     lengths: list[int] = field(default_factory=lambda: [2000])
     rules: list[str] = field(default_factory=lambda: ["full", "streamingllm", "h2o", "snapkv", "tova", "knorm"])
-    budgets: list[int] = field(default_factory=lambda: [128, 256, 512, 1024])
+    budgets: list[int | str] = field(default_factory=lambda: [128, 256, 512, 1024])
     samples: int = 3
     seed: int = 0
-    protocol: str = "query-agnostic"
+    protocols: list[str] = field(default_factory=lambda: ["query-agnostic"])
     chunk_size: int | None = None
     backend: str | None = None  # None: fxbudget's eager kernel; or a Dynamo backend ("inductor", ...)
     share_prefill: bool = True
     rule_params: dict[str, dict] = field(default_factory=dict)
     task_files: list[str] = field(default_factory=list)
+    likelihood: bool = True
 
     def validate(self) -> None:
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        if (not self.protocols or len(set(self.protocols)) != len(self.protocols)
+                or any(p not in PROTOCOLS for p in self.protocols)):
+            raise ValueError(f"protocols must be distinct names from {PROTOCOLS}, got {self.protocols!r}")
         if not self.tasks and not self.task_files:
             raise ValueError("nothing to run: give --tasks and/or --task-file")
         for t in self.tasks:
@@ -75,9 +116,14 @@ class Grid:
             raise ValueError("the rules of one comparison must share one observation window (it is part of the "
                              "shared kernel), got " + ", ".join(f"{r} {w}" for r, w in windows.items())
                              + "; run each window as its own comparison (e.g. --param snapkv.window=32)")
-        for name, values in (("lengths", self.lengths), ("budgets", self.budgets)):
-            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-                raise ValueError(f"{name} must be positive ints, got {values!r}")
+        if not self.lengths or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.lengths):
+            raise ValueError(f"lengths must be positive ints, got {self.lengths!r}")
+        if not self.budgets:
+            raise ValueError("budgets must not be empty")
+        kinds = {budget_fraction(b) is None for b in self.budgets}  # raises on a malformed budget
+        if len(kinds) > 1:
+            raise ValueError(f"budgets {self.budgets} mix absolute (KV entries) and relative (% of the context) "
+                             "budgets: use one kind per run (`fxbudget report` merges runs)")
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if self.backend is not None and self.backend not in INNER_BACKENDS:
@@ -109,17 +155,17 @@ def units(grid: Grid) -> list[Unit]:
     return out
 
 
-def configs(grid: Grid) -> list[tuple[str, int | None]]:
-    """(rule, budget) pairs; the reference row has no budget."""
-    return [(r, None) if r == REFERENCE else (r, b) for r in grid.rules
+def configs(grid: Grid) -> list[tuple[str, str, int | str | None]]:
+    """(protocol, rule, budget) triples; the reference row has no budget. A budget is as given (int or "12.5%")."""
+    return [(p, r, None) if r == REFERENCE else (p, r, b) for p in grid.protocols for r in grid.rules
             for b in ([None] if r == REFERENCE else grid.budgets)]
 
 
-def row_key(model_name: str, grid: Grid, unit: Unit, rule: str, budget: int | None) -> str:
+def row_key(model_name: str, grid: Grid, unit: Unit, protocol: str, rule: str, budget: int | str | None) -> str:
     """What identifies a result: completed keys are skipped when a run resumes."""
     params = json.dumps(grid.rule_params.get(rule, {}), sort_keys=True)
     return "|".join(map(str, (model_name, unit.task, unit.length, unit.index, grid.seed, rule, params, budget,
-                              grid.protocol, grid.chunk_size, grid.backend)))
+                              protocol, grid.chunk_size, grid.backend)))
 
 
 def _load_sample(grid: Grid, unit: Unit, tokenizer, cache: dict) -> Sample:
@@ -232,7 +278,7 @@ class Runner:
         """Keys of the complete rows in `out_dir` (every shard's file): a row cut short by a kill is not done."""
         return {row["key"] for path in self.out_dir.glob("results*.jsonl") for row in results.read_rows(path)}
 
-    def plan(self) -> list[tuple[Unit, list[tuple[str, int | None]]]]:
+    def plan(self) -> list[tuple[Unit, list[tuple[str, str, int | str | None]]]]:
         """This shard's samples and, for each, the configurations not yet in the results."""
         done, (i, n) = self.done_keys(), self.shard
         plan = []
@@ -242,7 +288,7 @@ class Runner:
                 plan.append((unit, todo))
         return plan
 
-    def prepare(self, **run_info) -> list[tuple[Unit, list[tuple[str, int | None]]]]:
+    def prepare(self, **run_info) -> list[tuple[Unit, list[tuple[str, str, int | str | None]]]]:
         """Before a run writes: create `out_dir`, write `run.json` (the grid, this environment, `run_info`), make the
         results file safe to append to; returns `plan()`."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -273,13 +319,13 @@ class Runner:
         return rows
 
     @torch.no_grad()
-    def unit_rows(self, unit: Unit, todo: list[tuple[str, int | None]]) -> Iterator[dict]:
+    def unit_rows(self, unit: Unit, todo: list[tuple[str, str, int | str | None]]) -> Iterator[dict]:
         """The rows of one unit for the configurations `todo`, in order, as each finishes; nothing is written (a
         distributed worker hands them to the driver, the only writer).
 
         Args:
             unit: a sample of this runner's grid (from `plan()`).
-            todo: its `(rule, budget)` configurations to run.
+            todo: its `(protocol, rule, budget)` configurations to run.
         Returns:
             An iterator of complete rows (the same rows `run()` writes).
         """
@@ -291,65 +337,94 @@ class Runner:
         """The kernel fingerprint of the rewritten graph (rule ops masked out): one per rule per run."""
         if rule.name not in self._fingerprints:
             ids = torch.zeros(1, 8, dtype=torch.long, device=next(self.model.parameters()).device)
-            self._fingerprints[rule.name] = kernel_fingerprint(self.model, ids, rule=rule,
-                                                               budget=max(self.grid.budgets))
+            # Sizes are not part of the fingerprint: any budget gives the same one (relative budgets: 1024).
+            budget = max((b for b in self.grid.budgets if budget_fraction(b) is None), default=1024)
+            self._fingerprints[rule.name] = kernel_fingerprint(self.model, ids, rule=rule, budget=budget)
         return self._fingerprints[rule.name]
 
     def _run_unit(self, unit: Unit, todo, bar):
         g, model = self.grid, self.model
         sample = _load_sample(g, unit, self.tok, self._samples)
-        ctx, question = (x.to(next(model.parameters()).device) for x in chat_ids(self.tok, sample))
+        device = next(model.parameters()).device
+        ctx, question = (x.to(device) for x in chat_ids(self.tok, sample))
+        answer = answer_ids(self.tok, sample).to(device) if g.likelihood else None
         max_new = self.max_new or sample.max_new_tokens
         base = {"model": self.model_name, "task": sample.task, "length": unit.length, "sample": unit.index,
                 "seed": sample.seed, "n_tokens": sample.n_tokens, "prompt_tokens": ctx.shape[1] + question.shape[1],
-                "question_tokens": question.shape[1],
-                "depth": sample.depth, "answers": sample.answers, "protocol": g.protocol, "chunk_size": g.chunk_size,
+                "context_tokens": ctx.shape[1], "question_tokens": question.shape[1],
+                "answer_tokens": None if answer is None else answer.shape[1],
+                "depth": sample.depth, "answers": sample.answers, "chunk_size": g.chunk_size,
                 "backend": g.backend or "none", **self.env}
         bar.set_description(f"{sample.task[:24]} {unit.length or ''} #{unit.index}")
-        aware = g.protocol == "query-aware"
-        prefill_ids = torch.cat([ctx, question], dim=1) if aware else ctx
-        shared, shared_s, shared_peak = None, None, None
-        if g.shares_prefill and any(rule != REFERENCE for rule, _ in todo):
-            peak = _Peak(prefill_ids.device)
-            with _Clock() as c:
-                shared = shared_prefill(model, prefill_ids)
-            shared_s, shared_peak = c.run, peak.read()
-            self.run_s += c.run
-        for rule_name, budget in todo:
-            if rule_name == REFERENCE:
-                row = self._reference(ctx, question, max_new)
-            else:
-                row = self._budgeted(rule_name, budget, prefill_ids, question, max_new, shared, shared_s)
-            row["shared_prefill_peak_mem_bytes"] = shared_peak if row["shared_prefill"] else None
-            prediction = self.tok.decode(row.pop("output_ids"), skip_special_tokens=True).strip()
-            row.update(base, prediction=prediction, score=score(sample, prediction),
-                       key=row_key(self.model_name, g, unit, rule_name, budget))
-            yield row
+        reference = None  # the unmodified model ignores the protocol: one run per sample, one row per protocol
+        # One prefill per distinct prefilled sequence: the context (query-agnostic, streaming) or context + question.
+        for aware in (False, True):
+            group = [c for c in todo if (c[0] == "query-aware") == aware]
+            if not group:
+                continue
+            prefill_ids = torch.cat([ctx, question], dim=1) if aware else ctx
+            shared, shared_s, shared_peak = None, None, None
+            if g.shares_prefill and any(rule != REFERENCE for _, rule, _ in group):
+                peak = _Peak(prefill_ids.device)
+                with _Clock() as c:
+                    shared = shared_prefill(model, prefill_ids)
+                shared_s, shared_peak = c.run, peak.read()
+                self.run_s += c.run
+            for protocol, rule_name, spec in group:
+                if rule_name == REFERENCE:
+                    reference = reference or self._reference(ctx, question, answer, max_new)
+                    row = dict(reference)
+                else:
+                    row = self._budgeted(protocol, rule_name, resolve_budget(spec, ctx.shape[1]), prefill_ids,
+                                         question, answer, max_new, shared, shared_s)
+                row["shared_prefill_peak_mem_bytes"] = shared_peak if row["shared_prefill"] else None
+                prediction = self.tok.decode(row.pop("output_ids"), skip_special_tokens=True).strip()
+                row.update(base, protocol=protocol, budget_fraction=None if spec is None else budget_fraction(spec),
+                           prediction=prediction, score=score(sample, prediction),
+                           key=row_key(self.model_name, g, unit, protocol, rule_name, spec))
+                yield row
+            del shared  # a shared prefill holds every layer's queries and keys: free it before the next one
 
     def _timed(self, clock: _Clock) -> None:
         self.compile_s += clock.compile
         self.run_s += clock.run
 
-    def _reference(self, ctx, question, max_new) -> dict:
+    def _reference(self, ctx, question, answer, max_new) -> dict:
         """The unmodified model, transformers' own cache: the full-cache reference row."""
         peak = _Peak(ctx.device)
         with _Clock() as pre:
             out = self.model(input_ids=torch.cat([ctx, question], dim=1), use_cache=True, logits_to_keep=1)
+        likelihood = self._likelihood(output_cache(out), out.logits[:, -1], answer)
         with _Clock() as dec:
             ids, cache = _greedy(self.model, output_cache(out), out.logits[:, -1], max_new, self.eos)
         self._timed(pre), self._timed(dec)
         return {"rule": REFERENCE, "rule_params": {}, "budget": None, "window": None, "kernel_fingerprint": None,
                 "shared_prefill": False, "prefill_s": pre.run, "decode_s": dec.run,
-                "compile_s": pre.compile + dec.compile, "output_ids": ids, "output_tokens": len(ids),
-                **_kv_bytes(cache), "peak_mem_bytes": peak.read()}
+                "compile_s": pre.compile + dec.compile + likelihood.pop("compile_s"), **likelihood,
+                "output_ids": ids, "output_tokens": len(ids), **_kv_bytes(cache), "peak_mem_bytes": peak.read()}
 
-    def _budgeted(self, rule_name, budget, prefill_ids, question, max_new, shared, shared_s) -> dict:
+    # --- answer likelihood (issue 13): scored on a copy of the cache right after the prefill ---------------------
+    def _likelihood(self, cache, last_logits, answer, *, evict: bool = False, stepwise: bool = False) -> dict:
+        """Row fields of the teacher-forced answer log-likelihood from the state after the whole prompt
+        (`likelihood.py`); None when switched off."""
+        if answer is None:
+            return {"answer_logprob": None, "answer_logprob_mean": None, "likelihood_s": None, "compile_s": 0.0}
+        with _Clock() as clock:
+            lp = answer_logprobs(self.model, cache, last_logits, answer, evict=evict, stepwise=stepwise)
+        self._timed(clock)
+        return {"answer_logprob": float(lp.sum()), "answer_logprob_mean": float(lp.mean()),
+                "likelihood_s": clock.run, "compile_s": clock.compile}
+
+    def _budgeted(self, protocol, rule_name, budget, prefill_ids, question, answer, max_new, shared,
+                  shared_s) -> dict:
         g, model = self.grid, self.model
         rule = get(rule_name, **g.rule_params.get(rule_name, {}))
         fingerprint = self._fingerprint(rule)
-        frozen_tokens = {"query-agnostic": question.shape[1] + max_new, "query-aware": max_new, "streaming": 0}
+        frozen = {"query-agnostic": question.shape[1] + max_new, "query-aware": max_new, "streaming": 0}[protocol]
+        if answer is not None:  # the likelihood forward appends its tokens frozen too (on a copy of the cache)
+            frozen = max(frozen, frozen_tokens(protocol, question.shape[1], answer.shape[1]))
         # Head-room rounded up, so samples with different question lengths share compiled shapes.
-        headroom = math.ceil(frozen_tokens[g.protocol] / 64) * 64
+        headroom = math.ceil(frozen / 64) * 64
         fx_compile(model, rule=rule, budget=budget, chunk_size=g.chunk_size, backend=g.backend, headroom=headroom)
         # With a shared prefill, the forward's own peak is recorded apart (`shared_prefill_peak_mem_bytes`); this one
         # covers the branch and decode (the recorded prefill is still held).
@@ -362,24 +437,26 @@ class Runner:
                     logits = shared.logits
                 else:
                     logits = model(input_ids=prefill_ids, cache=cache, logits_to_keep=1).logits[:, -1]
+            with _Clock() as question_clock:  # the question, as the protocol appends it (part of decode_s)
+                logits = finish_prompt(model, cache, logits, question, protocol)
+            before = peak.read()
+            # A compiled forward scores the answer token by token: its decode graph, no graph for the answer's length.
+            likelihood = self._likelihood(cache, logits, answer, evict=protocol == "streaming",
+                                          stepwise=g.backend is not None)
+            # The likelihood's saved cache state is not part of the configuration's memory: leave it out.
+            peak = _Peak(prefill_ids.device)
             with _Clock() as dec:
-                if g.protocol == "query-agnostic":
-                    with cache.frozen():
-                        logits = model(input_ids=question, cache=cache, logits_to_keep=1).logits[:, -1]
-                        ids, _ = _greedy(model, cache, logits, max_new, self.eos)
-                elif g.protocol == "query-aware":
-                    with cache.frozen():
-                        ids, _ = _greedy(model, cache, logits, max_new, self.eos)
-                else:
-                    logits = model(input_ids=question, cache=cache, logits_to_keep=1).logits[:, -1]
+                with cache.frozen() if protocol != "streaming" else contextlib.nullcontext():
                     ids, _ = _greedy(model, cache, logits, max_new, self.eos)
         finally:
             model.forward.restore()
-        self._timed(pre), self._timed(dec)
+        self._timed(pre), self._timed(question_clock), self._timed(dec)
         return {"rule": rule_name, "rule_params": rule.params(), "budget": budget, "window": kernel_window(rule),
                 "layer_budgets": cache.layer_budgets if len(set(cache.layer_budgets)) > 1 else None,
                 "headroom": headroom, "kernel_fingerprint": fingerprint, "shared_prefill": shared is not None,
                 # With a shared prefill, prefill_s is what a separate run would take: the shared forward + the branch.
                 "prefill_s": pre.run + (shared_s or 0.0), "branch_s": pre.run if shared is not None else None,
-                "decode_s": dec.run, "compile_s": pre.compile + dec.compile, "output_ids": ids,
-                "output_tokens": len(ids), **_kv_bytes(cache), "peak_mem_bytes": peak.read()}
+                "decode_s": question_clock.run + dec.run,
+                "compile_s": pre.compile + question_clock.compile + dec.compile + likelihood.pop("compile_s"),
+                **likelihood, "output_ids": ids, "output_tokens": len(ids), **_kv_bytes(cache),
+                "peak_mem_bytes": None if before is None else max(before, peak.read())}

@@ -532,3 +532,22 @@ def chat_ids(tokenizer, sample: Sample):
     ctx = tokenizer(text[:cut], return_tensors="pt", add_special_tokens=False).input_ids
     question = tokenizer(text[cut:], return_tensors="pt", add_special_tokens=False).input_ids
     return ctx, question
+
+
+def answer_text(tokenizer, sample: Sample) -> str:
+    """The gold continuation the likelihood metric scores: every expected answer, joined by ``", "`` in the task's
+    order (RULER's expected output for multi-answer tasks), as the assistant continues the prompt of
+    :func:`chat_ids`: after a space when the prompt ends in text (a non-empty ``answer_prefix``, or "Answer:" without
+    a chat template), directly after the template's assistant header otherwise. The end-of-turn token is not part
+    of it: the metric asks how likely the answer is, not where the model stops.
+    """
+    joined = ", ".join(sample.answers)
+    if not getattr(tokenizer, "chat_template", None):
+        return " " + joined  # the prompt ends in "Answer:" or the prefix, trailing spaces stripped
+    prefix = sample.answer_prefix
+    return " " + joined if prefix and not prefix[-1].isspace() else joined
+
+
+def answer_ids(tokenizer, sample: Sample):
+    """`[1, m]` token ids of :func:`answer_text` (tokenized on its own, like the question after the context)."""
+    return tokenizer(answer_text(tokenizer, sample), return_tensors="pt", add_special_tokens=False).input_ids

@@ -208,7 +208,7 @@ _SLOT_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms")  # slot di
 
 
 def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
-                 scale: float | None, block: int = DEFAULT_BLOCK) -> KernelTrace:
+                 scale: float | None, block: int | None = DEFAULT_BLOCK) -> KernelTrace:
     """Trace `measure`, `rule_region` and `evict` on fake tensors shaped like the example values `ev`.
 
     `measure` and `evict` are traced a second time with one more slot and `keep + 1`, to find which of their integer
@@ -232,7 +232,7 @@ def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: 
 
 
 def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule,
-            block: int = DEFAULT_BLOCK) -> RewriteReport:
+            block: int | None = DEFAULT_BLOCK) -> RewriteReport:
     """Replace every marker-fed SDPA node of `gm` in place; returns what was rewritten and what was left alone."""
     report = RewriteReport()
     traces: dict[tuple, KernelTrace] = {}  # layers of one model share shapes: trace once per configuration

@@ -1,0 +1,150 @@
+"""The report's figures: accuracy and answer likelihood against the budget with 95% intervals (one panel per task,
+one row of panels per protocol), and a needle-depth heatmap per rule."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from statistics import mean
+
+from .report import (budget_label, budgets, logprob_delta, metric_values, reference_logprobs, rule_order, setting,
+                     settings)
+from .runner import REFERENCE
+from .stats import mean_interval
+from .tasks import NEEDLE_TASKS
+
+
+def plot(rows: list[dict], out_dir: Path, sort: str = "accuracy") -> list[str]:
+    """`accuracy_vs_budget.png`, `likelihood_vs_budget.png` (when rows have the metric; a panel per setting and
+    task, all tasks pooled first) and, for needle tasks, `heatmap_<rule>.png`. Absolute and relative budgets (merged
+    runs) get separate figures, the relative ones with the suffix `_relative`. Returns the file names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    written = []
+    budgeted = [r for r in rows if r["budget"] is not None]
+    if not budgeted:
+        return written
+    kinds = sorted({r.get("budget_fraction") is not None for r in budgeted})
+    for relative in kinds:
+        rs = [r for r in rows if r["budget"] is None or (r.get("budget_fraction") is not None) == relative]
+        suffix = "_relative" if relative and len(kinds) > 1 else ""
+        written.append(_metric_figure(rs, "accuracy", out_dir / f"accuracy_vs_budget{suffix}.png", relative, sort))
+        if metric_values(rs, "likelihood"):
+            written.append(_metric_figure(rs, "likelihood", out_dir / f"likelihood_vs_budget{suffix}.png", relative,
+                                          sort))
+    needle = [r for r in budgeted if r["task"] in NEEDLE_TASKS and r.get("depth") is not None]
+    for rule in rule_order(needle, sort):
+        written.append(_heatmap([r for r in needle if r["rule"] == rule], rule, out_dir))
+    return written
+
+
+def _x(label) -> float:
+    return float(label[:-1]) if isinstance(label, str) else float(label)
+
+
+def _metric_figure(rows, metric: str, path: Path, relative: bool, sort: str) -> str:
+    """Mean and 95% interval of `metric` per rule against the budget; rows of panels = settings, columns = all
+    tasks pooled (when there are several: the most samples, so the tightest intervals) then each task."""
+    import matplotlib.pyplot as plt
+
+    refs = reference_logprobs(rows)
+    delta = metric == "likelihood" and bool(refs)
+    panels, tasks = settings(rows), sorted({r["task"] for r in rows})
+    tasks = (["all tasks"] if len(tasks) > 1 else []) + tasks
+    fig, axes = plt.subplots(len(panels), len(tasks), figsize=(4.5 * len(tasks), 3.4 * len(panels)),
+                             squeeze=False)
+    rules = [r for r in rule_order(rows, sort) if r != REFERENCE]
+    for row_axes, s in zip(axes, panels):
+        for ax, task in zip(row_axes, tasks):
+            trs = [r for r in rows if setting(r) == s and task in ("all tasks", r["task"])]
+            for rule in rule_order(trs, sort):
+                rs = [r for r in trs if r["rule"] == rule]
+                if rule == REFERENCE:
+                    values = metric_values(rs, metric)
+                    if values:  # likelihood vs full: the reference is the zero line
+                        ax.axhline(0.0 if delta else mean(values), color="k", ls="--", lw=1, label="full (unmodified)")
+                    continue
+                i = rules.index(rule)
+                # Rules often tie: distinct markers and a small horizontal offset keep every line visible.
+                shift = 2 ** (0.06 * (i - (len(rules) - 1) / 2))
+                xs, ys, lo, hi = [], [], [], []
+                for b in budgets(rs):
+                    brs = [r for r in rs if budget_label(r) == b]
+                    if metric == "accuracy":
+                        iv = mean_interval([r["score"] for r in brs])
+                    else:
+                        values = [logprob_delta(r, refs) for r in brs] if delta else metric_values(brs, metric)
+                        values = [v for v in values if v is not None]
+                        if not values:
+                            continue
+                        iv = mean_interval(values, paired=delta)
+                    # An unbounded interval (five samples or fewer) gets no bar rather than an infinite one.
+                    xs.append(_x(b) * shift), ys.append(iv.mean)
+                    lo.append(_bar(iv.mean - iv.lo)), hi.append(_bar(iv.hi - iv.mean))
+                bars = ax.errorbar(xs, ys, yerr=[lo, hi], color=f"C{i % 10}", marker="os^Dv<>PX*"[i % 10],
+                                   ls=("-", "--", "-.", ":")[i % 4], capsize=2, lw=1.2, ms=4, elinewidth=0.8,
+                                   label=rule)
+                for line in bars[2]:  # faint intervals: the means stay readable where they overlap
+                    line.set_alpha(0.35)
+            labels = budgets(trs)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([_x(b) for b in labels], [str(b) for b in labels])
+            ax.minorticks_off()
+            ax.set_title(f"{task} — {s}", fontsize=9)
+            ax.set_xlabel("budget (% of the context tokens)" if relative else "budget (KV entries per layer and head)")
+            if metric == "accuracy":
+                ax.set_ylabel("accuracy (95% interval)")
+                ax.set_ylim(-0.05, 1.05)
+            else:
+                ax.set_ylabel("log-prob/answer token" + (" vs full" if delta else "") + " (nats)")
+    handles, names = axes[0][0].get_legend_handles_labels()
+    for ax in axes.ravel()[1:]:  # every rule once, whichever panel drew it
+        for h, n in zip(*ax.get_legend_handles_labels()):
+            if n not in names:
+                handles.append(h), names.append(n)
+    order = sorted(range(len(names)), key=lambda k: rules.index(names[k]) if names[k] in rules else -1)
+    fig.legend([handles[k] for k in order], [names[k] for k in order], fontsize=8, loc="center right")
+    fig.tight_layout(rect=(0, 0, 1 - 1.3 / fig.get_figwidth(), 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def _bar(length: float) -> float:
+    return length if math.isfinite(length) else math.nan
+
+
+def _heatmap(rs, rule: str, out_dir: Path) -> str:
+    """Mean score per needle depth x context length; rows of panels = settings, columns = budgets."""
+    import matplotlib.pyplot as plt
+
+    panels, labels = settings(rs), budgets(rs)
+    lengths = sorted({r["length"] for r in rs})
+    depths = sorted({round(r["depth"], 1) for r in rs})
+    fig, axes = plt.subplots(len(panels), len(labels),
+                             figsize=(1.8 + 1.3 * len(lengths) * len(labels), 0.4 + 2.8 * len(panels)),
+                             squeeze=False, sharey=True, constrained_layout=True)
+    for row_axes, s in zip(axes, panels):
+        for ax, b in zip(row_axes, labels):
+            cell = [r for r in rs if setting(r) == s and budget_label(r) == b]
+            grid = [[_mean([r for r in cell if r["length"] == n and round(r["depth"], 1) == d]) for n in lengths]
+                    for d in depths]
+            im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            for y, line in enumerate(grid):
+                for x, v in enumerate(line):
+                    ax.text(x, y, "" if v != v else f"{v:.2f}", ha="center", va="center", fontsize=8)
+            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+            ax.set_yticks(range(len(depths)), [f"{d:.1f}" for d in depths])
+            ax.set_xlabel("context tokens")
+            ax.set_title(f"{rule}, B={b}" + (f"\n{s}" if len(panels) > 1 else ""), fontsize=9)
+        row_axes[0].set_ylabel("needle depth")
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy")
+    name = f"heatmap_{rule}.png"
+    fig.savefig(out_dir / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+def _mean(rs) -> float:
+    return mean(r["score"] for r in rs) if rs else float("nan")
