@@ -22,7 +22,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,test]"
 	touch $@
 
-# The tests also cover `compare --ray` (the [ray] extra); the demo does not need it.
+# The tests cover `compare --ray` on a local Ray (tests/test_ray.py fails, never skips, without it), so CI installs
+# the [ray] extra: ray[default], since the runtime_env that ships fxbudget to the workers needs it. The demo does not.
 $(VENV)/.installed-ray: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,test,ray]"
 	touch $@

@@ -31,7 +31,11 @@ SAME = ("prediction", "score", "output_tokens", "kv_allocated_bytes", "kv_held_b
 @pytest.fixture(scope="module")
 def local_ray():
     """A local Ray of 2 CPUs started by the test (the driver then uses it as it is)."""
-    import ray
+    try:
+        import ray
+    except ImportError:  # never a skip: `make test` (CI) installs the extra, so a missing Ray is a broken setup
+        pytest.fail("tests/test_ray.py needs Ray, the [ray] extra: `make test` installs it, or pip install -c "
+                    "constraints.txt -e '.[ray]'", pytrace=False)
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
