@@ -66,6 +66,7 @@ def main() -> None:
                 budgets=[int(b) for b in args.budgets.split(",")], samples=args.samples)
     tmp = Path(tempfile.mkdtemp(prefix="ray_scaling-"))
 
+    loads = [load_str()]  # at the start of each part and at the end: the machine may be shared
     t0 = time.perf_counter()
     model, tok, name = load_model(None, progress=False)
     serial_start = time.perf_counter() - t0
@@ -82,6 +83,7 @@ def main() -> None:
     del model, tok, runner
     gc.collect()
 
+    loads.append(load_str())
     t0 = time.perf_counter()
     ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False,
              runtime_env={"py_modules": [str(ROOT / "fxbudget")]})
@@ -91,6 +93,7 @@ def main() -> None:
     dist.run()
     ray_total = time.perf_counter() - t
     ray.shutdown()
+    loads.append(load_str())
     ray_start = ray_init + dist.startup_s
     ray_run = ray_total - dist.startup_s
 
@@ -104,7 +107,7 @@ def main() -> None:
     prompt = statistics.median(r["prompt_tokens"] for r in serial_rows.values())
 
     lines = header_lines(f"Scale-out: serial vs {args.workers} Ray workers (comparison grid)", info,
-                         load_after=load_str()) + [
+                         load_after=loads[-1]) + [
         f"Embedded model, passkey, {args.samples} samples of ~{args.tokens} context tokens (prompt median "
         f"{prompt:.0f} tokens), rules {args.rules} x budgets {args.budgets}: {len(serial_rows)} rows, "
         f"{len(serial_rows) // args.samples} per sample; eager kernel, shared prefill, query-agnostic. Serial: one "
@@ -124,6 +127,8 @@ def main() -> None:
         f"{1e3 * statistics.median(overhead):.0f} ms, max {1e3 * max(overhead):.0f} ms; a worker's own time per "
         f"sample: median {statistics.median(own):.1f} s (serial: {serial_run / args.samples:.1f} s per sample)",
         f"- every row equal to the serial run's ({', '.join(SAME)}): {same}",
+        f"- load average (1/5/15 min) at the start of the serial part {loads[0]}, of the Ray part {loads[1]}, at the "
+        f"end {loads[2]} (2 cores)",
         f"- results: {tmp}",
     ]
     emit(lines, args.out, args.quick, "ray_scaling")
