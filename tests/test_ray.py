@@ -85,10 +85,12 @@ def test_rows_equal_the_serial_run_and_resume(tiny_dir, idle_ray, serial, tmp_pa
     _assert_same_rows({r["key"]: r for r in lines}, serial)
     assert {(r["protocol"], r["budget_fraction"]) for r in lines} == {
         (p, f) for p in PROTOCOLS.split(",") for f in (None, 0.03, 1.0)}
-    assert json.loads((out / "run.json").read_text())["ray"]["workers"] == 2
+    run = json.loads((out / "run.json").read_text())
+    assert run["ray"]["workers"] == 2 and run["torch"] == first[0]["torch"]  # the workers' environment
     assert main(["report", str(out)]) == 0 and (out / "report.md").is_file()
     assert main(["compare", "--model", tiny_dir, *ARGS, "--out", str(out), "--ray", "--workers", "2"]) == 0
     assert len(_lines(out / "results.jsonl")) == len(serial)
+    assert json.loads((out / "run.json").read_text()) == run  # a rerun with nothing to do leaves it as it was
 
 
 def test_killed_worker_loses_nothing(tiny_dir, idle_ray, serial, tmp_path):  # noqa: F811

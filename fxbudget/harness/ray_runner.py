@@ -200,8 +200,9 @@ class RayRunner:
         """Run every pending row on Ray workers; returns the rows written by this call."""
         ray = self.ray
         plan = self.plan()
-        if not plan:
-            self.writer.prepare()
+        if not plan:  # nothing left: keep the run.json of the run that wrote the rows (this process has no model)
+            if not (self.writer.out_dir / "run.json").exists():
+                self.writer.prepare()
             return []
         t0 = time.perf_counter()
         started = self._connect()
