@@ -14,6 +14,16 @@ from conftest import fresh, tiny_model
 from fxbudget.cache_arg import output_cache
 
 
+@pytest.fixture(autouse=True)
+def _registry_restored():
+    """A rule a test registers (the README's `late_heavy`, `newest_first_fn`) is dropped after it: later tests in this
+    process (cross_device's dump runs every registered rule) see the built-in rules only."""
+    saved = dict(rules._REGISTRY)
+    yield
+    rules._REGISTRY.clear()
+    rules._REGISTRY.update(saved)
+
+
 def _kept_after_one_call(rule, budget, n=20, seed=0):
     """Positions kept by one call of `n` tokens into an empty cache of `budget` slots (1 row, 2 KV heads)."""
     gen = torch.Generator().manual_seed(seed)
