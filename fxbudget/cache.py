@@ -77,8 +77,10 @@ class BudgetLayer(CacheLayerMixin):
             new_pos = (torch.arange(n, device=self.device) + self.seen).expand(b, n)
             self.seen.add_(n)
         else:
-            new_pos = self.call.pos
-            self.seen.add_(self.call.advance)
+            new_pos, advance = self.call.pos, self.call.advance
+            if new_pos.device != self.device:  # a model spread over devices: this layer's own (no op otherwise)
+                new_pos, advance = new_pos.to(self.device), advance.to(self.device)
+            self.seen.add_(advance)
         tensors = (self.keys, self.values, self.pos, self.state, self.norms, self.totals, key_states, value_states,
                    new_pos, self.inv_freq)
         k, v = torch.ops.fxbudget.candidates(*tensors, layer, self.budget, self.keep, self.sliding)
@@ -147,7 +149,9 @@ class BudgetCache(Cache):
             `sliding_window`).
         budget: KV entries kept per full-attention layer and KV head (sinks and windows count against it).
         batch_size: rows per call; the cache serves only this batch size.
-        dtype, device: of the cached keys/values (default: float32 on CPU); must match the model.
+        dtype, device: of the cached keys/values (default: float32 on CPU); must match the model. `device` may be a
+            list with one device per layer, for a model whose layers are spread over devices (`device_map="auto"`):
+            each layer's slots then live on its layer's device (`fxbudget.api.layer_devices(model)`).
         headroom: extra slots filled while eviction is frozen (`with cache.frozen(): ...`), e.g. for the question
             and answer appended after a compressed context (DESIGN §6, query-agnostic protocol).
         layer_budgets: per-layer budgets of the full-attention layers (e.g. PyramidKV's schedule); they must sum to
@@ -155,7 +159,7 @@ class BudgetCache(Cache):
     """
 
     def __init__(self, config, budget: int, batch_size: int = 1, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, headroom: int = 0,
+                 device: torch.device | str | list | tuple | None = None, headroom: int = 0,
                  layer_budgets: list[int] | None = None):
         for name, val, low in (("budget", budget, 1), ("batch_size", batch_size, 1), ("headroom", headroom, 0)):
             if isinstance(val, bool) or not isinstance(val, int) or val < low:
@@ -163,7 +167,12 @@ class BudgetCache(Cache):
         n_layers, kv_heads, head_dim, heads, types = _layer_shapes(config)
         cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         dtype = dtype or torch.get_default_dtype()
-        device = torch.device(device or "cpu")
+        if isinstance(device, (list, tuple)):
+            if len(device) != n_layers:
+                raise ValueError(f"device: one per layer ({n_layers}) or a single one, got {len(device)}")
+            devices = [torch.device(d) for d in device]
+        else:
+            devices = [torch.device(device or "cpu")] * n_layers
         n_full = types.count("full_attention")
         if layer_budgets is not None:
             layer_budgets = list(layer_budgets)
@@ -177,21 +186,26 @@ class BudgetCache(Cache):
         full_budgets = iter(layer_budgets or [budget] * n_full)
         layers = []
         self.call = CallPositions()  # set by BudgetForward around each call; shared by every layer
+        rope_known = []  # per budgeted layer (from the config, so no device is read back)
         for i, t in enumerate(types):
             sliding = cfg.sliding_window if t == "sliding_attention" else 0
             b = sliding or next(full_budgets)
+            inv_freq = _rope_inv_freq(cfg, t, head_dim)
+            if not sliding:
+                rope_known.append(inv_freq is not None)
             layers.append(BudgetLayer(
                 layer=i, budget=b, slots=sliding or b + headroom, sliding=sliding,
                 batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
-                dtype=dtype, device=device, inv_freq=_rope_inv_freq(cfg, t, head_dim), call=self.call))
+                dtype=dtype, device=devices[i], inv_freq=inv_freq, call=self.call))
         super().__init__(layers=layers)
-        self.budget, self.headroom, self.dtype, self.device = budget, headroom, dtype, device
+        self.budget, self.headroom, self.dtype = budget, headroom, dtype
+        self.devices, self.device = devices, devices[0]  # each layer's; the first layer's (positions live there)
         self.layer_budgets = [layer.budget for layer in self._budgeted()]
-        self.has_rope = not any(bool(layer.inv_freq.isnan().any()) for layer in self._budgeted())
+        self.has_rope = all(rope_known)
         self.signature = (n_layers, kv_heads, head_dim, heads, types)  # what the cache was built for
         self._frozen = False
         # The next position of each row (rows of a left-padded batch have seen different numbers of tokens).
-        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         # Entries held per budgeted layer, tracked on the Python side to check head-room before a call runs.
         self._held = [0] * len(self.layer_budgets)
 

@@ -114,13 +114,19 @@ def cmd_compare(args) -> int:
         grid.validate()
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise SystemExit(f"fxbudget compare: {e}") from None
-    _setup_threads(args.threads)
-    if not args.default_malloc:
-        tune_malloc()
     start = time.perf_counter()
-    model, tokenizer, name = load_model(args.model)
-    runner = Runner(model, tokenizer, name, grid, args.out, shard=args.shard, progress=not args.quiet,
-                    max_new_tokens=args.max_new_tokens)
+    if args.ray is not None:
+        runner = _ray_runner(args, grid)
+        name = runner.model_name
+    else:
+        if args.workers is not None or args.cpus_per_worker is not None or args.gpus_per_worker is not None:
+            raise SystemExit("fxbudget compare: --workers, --cpus-per-worker and --gpus-per-worker need --ray")
+        _setup_threads(args.threads)
+        if not args.default_malloc:
+            tune_malloc()
+        model, tokenizer, name = load_model(args.model)
+        runner = Runner(model, tokenizer, name, grid, args.out, shard=args.shard, progress=not args.quiet,
+                        max_new_tokens=args.max_new_tokens)
     try:
         plan = runner.plan()
     except ValueError as e:  # a results file with a line that is not a row (a cut last line is only a warning)
@@ -133,7 +139,12 @@ def cmd_compare(args) -> int:
     if grid.share_prefill and not grid.shares_prefill:
         print("[fxbudget] prefill is not shared: it needs one-call prefill (no --chunk-size) on the eager kernel "
               "(--backend none)", file=sys.stderr)
-    runner.run()
+    try:
+        runner.run()
+    except RuntimeError as e:  # a Ray cluster too small, unreachable, or a sample that kept losing its worker
+        if args.ray is None:
+            raise
+        raise SystemExit(f"fxbudget compare --ray: {e}") from None
     wall = time.perf_counter() - start
     print(f"[fxbudget] done in {wall:.0f} s (compile {runner.compile_s:.0f} s, run {runner.run_s:.0f} s)",
           file=sys.stderr)
@@ -191,6 +202,20 @@ def cmd_search(args) -> int:
         print(f"  {sentence.replace('**', '')}")
     print(f"summary: {', '.join(map(str, paths))}; held-out report: {res.holdout_dir / 'report.md'}")
     return 0
+
+
+def _ray_runner(args, grid):
+    """The driver of a `--ray` run (it does not load the model: the workers do)."""
+    from .harness.ray_runner import RayMissingError, RayOptions, RayRunner
+
+    options = RayOptions(address=args.ray, workers=args.workers, threads=args.threads,
+                         cpus_per_worker=1.0 if args.cpus_per_worker is None else args.cpus_per_worker,
+                         gpus_per_worker=0.0 if args.gpus_per_worker is None else args.gpus_per_worker)
+    try:
+        return RayRunner(args.model, grid, args.out, shard=args.shard, progress=not args.quiet,
+                         max_new_tokens=args.max_new_tokens, options=options, tune_malloc=not args.default_malloc)
+    except (RayMissingError, ValueError) as e:
+        raise SystemExit(f"fxbudget compare: {e}") from None
 
 
 def cmd_report(args) -> int:
@@ -314,6 +339,16 @@ def build_parser() -> argparse.ArgumentParser:
     _rule_file_option(c)
     c.add_argument("--shard", type=_shard, default="0/1", help="run only part i/n of the samples")
     c.add_argument("--out", default="runs/compare", help="results folder (rerunning resumes)")
+    c.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                   help="run the samples on Ray workers (needs the [ray] extra): 'auto' (the default ADDRESS) = the "
+                   "running cluster (`ray start --head`), 'local' = a new Ray on this machine only, or an address "
+                   "such as ray://HOST:10001; this process writes the results")
+    c.add_argument("--workers", type=int, default=None, help="with --ray: workers to start, each loading the "
+                   "model once (default: as many as the cluster has room for, at most one per sample)")
+    c.add_argument("--cpus-per-worker", type=float, default=None, help="with --ray: CPUs each worker holds "
+                   "(default: 1)")
+    c.add_argument("--gpus-per-worker", type=float, default=None, help="with --ray: GPUs each worker holds "
+                   "(default: 0 = CPU; more than 1 spreads the model's layers over them)")
     c.add_argument("--no-likelihood", action="store_true", help="skip the answer log-likelihood forward")
     c.add_argument("--sort", choices=["accuracy", "likelihood"], default="accuracy", help="order of the rules in "
                    "the tables")

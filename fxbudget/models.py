@@ -178,13 +178,14 @@ def _convert(target: Path, progress: bool) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def load_default(*, cache_dir: str | os.PathLike | None = None, progress: bool = True):
+def load_default(*, cache_dir: str | os.PathLike | None = None, progress: bool = True, device_map=None):
     """Load Qwen2.5-Coder-0.5B-Instruct in fp32 with SDPA attention, in eval mode.
 
     Args:
         cache_dir: directory holding the converted safetensors checkpoint;
             defaults to :func:`default_cache_dir`. Created on first use.
         progress: print short progress messages to stderr.
+        device_map: passed to ``from_pretrained`` (None: CPU; e.g. ``"auto"`` spreads the layers over the GPUs).
 
     Returns:
         ``(model, tokenizer)``: a ``Qwen2ForCausalLM`` on CPU and its tokenizer.
@@ -199,27 +200,34 @@ def load_default(*, cache_dir: str | os.PathLike | None = None, progress: bool =
         _convert(path, progress)
     # Always load from the cache, even right after converting, so the first and
     # every later call return exactly the same kind of model and tokenizer.
-    model = AutoModelForCausalLM.from_pretrained(path, **_LOAD_KWARGS)
+    model = AutoModelForCausalLM.from_pretrained(path, **_LOAD_KWARGS, device_map=device_map)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model.eval()
     _log(progress, f"loaded {DEFAULT_MODEL_NAME} in {time.perf_counter() - start:.1f} s")
     return model, tokenizer
 
 
-def load_model(spec: str | os.PathLike | None = None, *, progress: bool = True):
+def model_name(spec: str | os.PathLike | None) -> str:
+    """The name result rows record for the model `load_model(spec)` loads (known without loading it)."""
+    return DEFAULT_MODEL_NAME if spec is None else Path(spec).name
+
+
+def load_model(spec: str | os.PathLike | None = None, *, progress: bool = True, device_map=None):
     """Load a causal LM for fxbudget (fp32, SDPA attention, eval mode): the default model, a local Hugging Face
     model directory, or a local GGUF file (dequantized by transformers' GGUF support).
 
     Args:
         spec: None for the embedded default model, else a directory or a ``.gguf`` file path.
         progress: print short progress messages to stderr.
+        device_map: passed to ``from_pretrained`` (None: CPU; ``{"": 0}`` one GPU; ``"auto"`` the layers spread
+            over the visible GPUs, each layer's cache slots then on its layer's device).
 
     Returns:
-        ``(model, tokenizer, name)``; ``name`` is what result rows record.
+        ``(model, tokenizer, name)``; ``name`` is what result rows record (`model_name(spec)`).
     """
     if spec is None:
-        model, tokenizer = load_default(progress=progress)
-        return model, tokenizer, DEFAULT_MODEL_NAME
+        model, tokenizer = load_default(progress=progress, device_map=device_map)
+        return model, tokenizer, model_name(spec)
     path = Path(spec).expanduser()
     if path.is_dir():
         kwargs = {}
@@ -228,7 +236,7 @@ def load_model(spec: str | os.PathLike | None = None, *, progress: bool = True):
     else:
         raise FileNotFoundError(f"--model {spec}: not a model directory or a .gguf file (the hub is not used)")
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(path, **_LOAD_KWARGS, **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, **_LOAD_KWARGS, **kwargs, device_map=device_map).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     _log(progress, f"loaded {spec} in {time.perf_counter() - start:.1f} s")
-    return model, tokenizer, Path(spec).name
+    return model, tokenizer, model_name(spec)

@@ -14,13 +14,6 @@ from conftest import fresh, tiny_model
 from fxbudget.cache_arg import output_cache
 
 
-@pytest.fixture(autouse=True)
-def _registry_restored(monkeypatch):
-    """Rules registered by a test (the README's user rule, a function rule) are gone after it: other test files on
-    the same worker list `rules.available()` and must not see them."""
-    monkeypatch.setattr(rules, "_REGISTRY", dict(rules._REGISTRY))
-
-
 def _kept_after_one_call(rule, budget, n=20, seed=0):
     """Positions kept by one call of `n` tokens into an empty cache of `budget` slots (1 row, 2 KV heads)."""
     gen = torch.Generator().manual_seed(seed)

@@ -37,6 +37,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import transformers
@@ -260,9 +261,12 @@ def environment(model: nn.Module) -> dict:
 
 
 class Runner:
-    """Runs a `Grid` on one model and appends rows to `out_dir/results*.jsonl` (resumable, shardable)."""
+    """Runs a `Grid` on one model and appends rows to `out_dir/results*.jsonl` (resumable, shardable).
 
-    def __init__(self, model: nn.Module, tokenizer, model_name: str, grid: Grid, out_dir: str | Path, *,
+    `model=None` gives a runner that only plans and writes (the driver of `fxbudget.harness.ray_runner`, whose
+    workers run the units with `unit_rows`)."""
+
+    def __init__(self, model: nn.Module | None, tokenizer, model_name: str, grid: Grid, out_dir: str | Path, *,
                  shard: tuple[int, int] = (0, 1), progress: bool = True, max_new_tokens: int | None = None):
         grid.validate()
         i, n = shard
@@ -270,10 +274,9 @@ class Runner:
             raise ValueError(f"shard must be i/n with 0 <= i < n, got {i}/{n}")
         self.model, self.tok, self.model_name, self.grid = model, tokenizer, model_name, grid
         self.out_dir, self.shard, self.progress, self.max_new = Path(out_dir), shard, progress, max_new_tokens
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / ("results.jsonl" if n == 1 else f"results-shard{i}of{n}.jsonl")
-        self.env = environment(model)
-        self.eos = _eos_ids(model, tokenizer)
+        self.env = environment(model) if model is not None else {}
+        self.eos = _eos_ids(model, tokenizer) if model is not None else set()
         self._fingerprints: dict[str, str] = {}
         self._samples: dict = {}
         self._forwards: dict[tuple, BudgetForward] = {}  # (rule, params, budget) -> forward, reused across samples
@@ -297,14 +300,21 @@ class Runner:
                 plan.append((unit, todo))
         return plan
 
+    def prepare(self, **run_info) -> list[tuple[Unit, list[tuple[str, str, int | str | None]]]]:
+        """Before a run writes: create `out_dir`, write `run.json` (the grid, this environment, `run_info`), make the
+        results file safe to append to; returns `plan()`."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "run.json").write_text(json.dumps(
+            {"model": self.model_name, "grid": asdict(self.grid), "shard": list(self.shard), **self.env, **run_info},
+            indent=1, default=str))
+        results.repair(self.path)  # a run killed mid-write left a cut last line: never append a row onto it
+        return self.plan()
+
     def run(self) -> list[dict]:
         """Run every pending row; returns the rows written by this call."""
         from tqdm.auto import tqdm
 
-        (self.out_dir / "run.json").write_text(json.dumps(
-            {"model": self.model_name, "grid": asdict(self.grid), "shard": list(self.shard), **self.env}, indent=1))
-        results.repair(self.path)  # a run killed mid-write left a cut last line: never append a row onto it
-        plan = self.plan()
+        plan = self.prepare()
         self.headroom, self.question_bucket = self._shapes(plan)
         bar = tqdm(total=sum(len(todo) for _, todo in plan), unit="row", disable=not self.progress,
                    dynamic_ncols=True)
@@ -320,6 +330,23 @@ class Runner:
         finally:
             bar.close()
         return rows
+
+    @torch.no_grad()
+    def unit_rows(self, unit: Unit, todo: list[tuple[str, str, int | str | None]]) -> Iterator[dict]:
+        """The rows of one unit for the configurations `todo`, in order, as each finishes; nothing is written (a
+        distributed worker hands them to the driver, the only writer).
+
+        Args:
+            unit: a sample of this runner's grid (from `plan()`).
+            todo: its `(protocol, rule, budget)` configurations to run.
+        Returns:
+            An iterator of complete rows (the same rows `run()` writes).
+        """
+        from tqdm.auto import tqdm
+
+        if not self.headroom:  # a worker: the shapes of the whole grid, the same on every worker
+            self.headroom, self.question_bucket = self._shapes([(u, configs(self.grid)) for u in units(self.grid)])
+        yield from self._run_unit(unit, todo, tqdm(disable=True))
 
     def _shapes(self, plan) -> tuple[int, int]:
         """The run's head-room (slots for what is appended with eviction frozen, the largest over the plan, rounded
