@@ -20,6 +20,16 @@ ARGS = ["--tasks", "passkey", "--lengths", "300", "--samples", "2", "--budget", 
         "--holdout-samples", "2", "--max-new-tokens", "4", "--quiet"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _registry_as_before():
+    """Rules registered by the rule files loaded here leave with this module: other test files list every
+    registered rule (e.g. test_cross_device's grid), and xdist runs them in the same process."""
+    registry, loaded = dict(rules._REGISTRY), dict(rules._LOADED)
+    yield
+    rules._REGISTRY.clear(), rules._REGISTRY.update(registry)
+    rules._LOADED.clear(), rules._LOADED.update(loaded)
+
+
 def run_search(tiny_dir, out, trials, *extra):
     assert main(["search", "--model", tiny_dir, *ARGS, "--trials", str(trials), "--out", str(out), *extra]) == 0
 
@@ -32,7 +42,7 @@ def trials_of(out):
 
 
 @pytest.fixture(scope="module")
-def searched(tiny_dir, tmp_path_factory):  # noqa: F811
+def searched(_registry_as_before, tiny_dir, tmp_path_factory):  # noqa: F811 (registry restored after it)
     out = tmp_path_factory.mktemp("search")
     run_search(tiny_dir, out, 8, "--summary", str(out / "copy" / "rule_search.md"), "--note", "SMOKE RUN")
     return out
@@ -160,7 +170,8 @@ def test_load_file_refuses_taken_names_and_reloads_a_changed_file(tmp_path):
     with pytest.raises(ValueError, match="registers no rule"):
         rules.load_file(empty)
     ok = tmp_path / "ok.py"
-    ok.write_text("from fxbudget.rules import register\n@register('file_rule_v')\ndef f(s):\n    return s.pos.float()\n")
+    ok.write_text("from fxbudget.rules import register\n"
+                  "@register('file_rule_v')\ndef f(s):\n    return s.pos.float()\n")
     assert rules.load_file(ok) == ["file_rule_v"] and rules.load_file(ok) == ["file_rule_v"]
     first = rules.get("file_rule_v").__class__
     ok.write_text(ok.read_text() + "# changed\n")
