@@ -74,9 +74,11 @@ def fresh(model):
 def _registry_restored():
     """Rules a test registers stay in that test: the registry is process-wide, and with pytest-xdist a later test in
     the same worker (e.g. cross_device's "every registered rule") would otherwise see them."""
-    from fxbudget.rules import _REGISTRY
+    from fxbudget.rules import _LOADED, _REGISTRY
 
-    before = dict(_REGISTRY)
+    before, loaded = dict(_REGISTRY), dict(_LOADED)  # _LOADED: the rule files `load_file` registered
     yield
     _REGISTRY.clear()
     _REGISTRY.update(before)
+    _LOADED.clear()
+    _LOADED.update(loaded)
