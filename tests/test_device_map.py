@@ -7,7 +7,6 @@ a multi-GPU one does, all on CPU. A real run over two GPUs is not done here.
 
 import pytest
 import torch
-from accelerate import dispatch_model
 
 import fxbudget
 from conftest import fresh, greedy, tiny_model
@@ -23,6 +22,8 @@ def _dispatched(model):
     """`model` dispatched by accelerate as `device_map=...` does (a hook per module), every part on CPU."""
     names = ["model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head"]
     names += [f"model.layers.{i}" for i in range(len(model.model.layers))]
+    from accelerate import dispatch_model  # the [models] extra: imported here so `make test-newest` collects this file
+
     return dispatch_model(model, device_map={n: "cpu" for n in names}, main_device="cpu", force_hooks=True)
 
 
