@@ -82,3 +82,25 @@ def _registry_restored():
     _REGISTRY.update(before)
     _LOADED.clear()
     _LOADED.update(loaded)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A 2-layer random Qwen2 with the embedded model's tokenizer, saved as a local model directory (prompts are
+    tokenized as on the real model)."""
+    from transformers import AutoTokenizer
+
+    from fxbudget.models import default_cache_dir, load_default
+
+    path = default_cache_dir()
+    if not (path / "tokenizer_config.json").is_file():
+        load_default(progress=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=8192, tie_word_embeddings=True))
+    out = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)

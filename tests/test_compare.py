@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from fxbudget.cli import main
 from fxbudget import kernel_fingerprint, rules
 from fxbudget.harness import runner
 from fxbudget.harness.report import load_rows, rule_order
 from fxbudget.harness.tasks import answer_ids, chat_ids, make_samples
-from fxbudget.models import default_cache_dir, load_default, load_model
+from fxbudget.models import load_model
 
 GRID = ["--tasks", "passkey,niah_multikey", "--lengths", "300", "--rules", "full,snapkv,streamingllm,h2o,pyramidkv",
         "--budgets", "48,4096", "--samples", "2", "--max-new-tokens", "4", "--quiet"]
@@ -30,22 +30,6 @@ ROW_FIELDS = ("model", "rule", "rule_params", "budget", "protocol", "chunk_size"
               "answer_tokens", "answer_logprob", "answer_logprob_mean", "likelihood_s", "budget_fraction",
               "context_tokens")
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A 2-layer random Qwen2 with the embedded model's tokenizer, saved as a local model directory."""
-    path = default_cache_dir()
-    if not (path / "tokenizer_config.json").is_file():
-        load_default(progress=False)
-    tok = AutoTokenizer.from_pretrained(path)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=8192, tie_word_embeddings=True))
-    out = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
 
 
 def compare(tiny_dir, out, *extra):

@@ -13,7 +13,6 @@ import pytest
 from fxbudget.cli import main
 from fxbudget.harness.report import load_rows
 from fxbudget.harness.runner import Grid
-from test_compare import tiny_dir  # noqa: F401  (fixture: a tiny random Qwen2 with the real tokenizer)
 
 # Passkey samples of 2000 tokens, two protocols sharing one prefill, relative budgets (3% evicts, 100% covers the
 # context): each sample (unit) has 2 x (1 + 2 x 2) = 10 rows, long enough to kill its worker between its first and
@@ -54,7 +53,7 @@ def idle_ray(local_ray):
 
 
 @pytest.fixture(scope="module")
-def serial(tiny_dir, tmp_path_factory):  # noqa: F811
+def serial(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("serial")
     assert main(["compare", "--model", tiny_dir, *ARGS, "--out", str(out)]) == 0
     return {r["key"]: r for r in load_rows([out])}
@@ -70,7 +69,7 @@ def _assert_same_rows(rows: dict, serial: dict):
         assert {f: row.get(f) for f in SAME} == {f: serial[key].get(f) for f in SAME}, key
 
 
-def test_rows_equal_the_serial_run_and_resume(tiny_dir, idle_ray, serial, tmp_path):  # noqa: F811
+def test_rows_equal_the_serial_run_and_resume(tiny_dir, idle_ray, serial, tmp_path):
     """Resuming from the serial run's first rows (one sample cut after its 4th row), 2 workers write the rest: every
     row once, equal to the serial run's; a rerun has nothing left to do."""
     out = tmp_path / "out"
@@ -93,7 +92,7 @@ def test_rows_equal_the_serial_run_and_resume(tiny_dir, idle_ray, serial, tmp_pa
     assert json.loads((out / "run.json").read_text()) == run  # a rerun with nothing to do leaves it as it was
 
 
-def test_killed_worker_loses_nothing(tiny_dir, idle_ray, serial, tmp_path):  # noqa: F811
+def test_killed_worker_loses_nothing(tiny_dir, idle_ray, serial, tmp_path):
     """SIGKILL a worker once the driver holds some of its sample's rows: the sample runs again (on whichever worker
     is free), its partial rows are dropped, the run completes with every row exactly once."""
     from fxbudget.harness.ray_runner import RayOptions, RayRunner
@@ -128,7 +127,7 @@ def test_killed_worker_loses_nothing(tiny_dir, idle_ray, serial, tmp_path):  # n
     _assert_same_rows({r["key"]: r for r in written}, serial)
 
 
-def test_more_workers_than_the_cluster_has_room_for(tiny_dir, idle_ray, tmp_path):  # noqa: F811
+def test_more_workers_than_the_cluster_has_room_for(tiny_dir, idle_ray, tmp_path):
     from fxbudget.harness.ray_runner import RayOptions, RayRunner
 
     grid = Grid(tasks=["passkey"], lengths=[LENGTH], rules=["full"], budgets=[64], samples=SAMPLES)
@@ -139,13 +138,13 @@ def test_more_workers_than_the_cluster_has_room_for(tiny_dir, idle_ray, tmp_path
     assert not (tmp_path / "results.jsonl").exists()
 
 
-def test_ray_missing_says_how_to_install(tiny_dir, tmp_path, monkeypatch):  # noqa: F811
+def test_ray_missing_says_how_to_install(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as if Ray were not installed
     with pytest.raises(SystemExit, match=r"--ray needs Ray, an optional extra: pip install 'flexbudget\[ray\]'"):
         main(["compare", "--model", tiny_dir, *ARGS, "--out", str(tmp_path / "out"), "--ray"])
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
 
 
-def test_worker_options_need_ray(tiny_dir, tmp_path):  # noqa: F811
+def test_worker_options_need_ray(tiny_dir, tmp_path):
     with pytest.raises(SystemExit, match="need --ray"):
         main(["compare", "--model", tiny_dir, *ARGS, "--out", str(tmp_path), "--workers", "2"])

@@ -14,7 +14,6 @@ from fxbudget.harness import search as S
 from fxbudget.harness.report import load_rows
 from fxbudget.models import load_model
 
-from test_compare import tiny_dir  # noqa: F401 (the fixture: a tiny random Qwen2 with the embedded tokenizer)
 
 ARGS = ["--tasks", "passkey", "--lengths", "300", "--samples", "2", "--budget", "64", "--rules", "snapkv,knorm",
         "--holdout-samples", "2", "--max-new-tokens", "4", "--quiet"]
@@ -42,7 +41,7 @@ def trials_of(out):
 
 
 @pytest.fixture(scope="module")
-def searched(_registry_as_before, tiny_dir, tmp_path_factory):  # noqa: F811 (registry restored after it)
+def searched(_registry_as_before, tiny_dir, tmp_path_factory):  # registry restored after it
     out = tmp_path_factory.mktemp("search")
     run_search(tiny_dir, out, 8, "--summary", str(out / "copy" / "rule_search.md"), "--note", "SMOKE RUN")
     return out
@@ -76,7 +75,7 @@ def test_study_rule_file_and_holdout(searched):
     assert re.search(rf"load average \(1/5/15 min\) {loads} at the start, {loads} at the end", text)
 
 
-def test_rule_file_is_registered_and_reproduces_the_trial(searched, tiny_dir):  # noqa: F811
+def test_rule_file_is_registered_and_reproduces_the_trial(searched, tiny_dir):
     out = searched
     study, _ = trials_of(out)
     best = study.best_trial
@@ -94,7 +93,7 @@ def test_rule_file_is_registered_and_reproduces_the_trial(searched, tiny_dir):  
         fxbudget.kernel_fingerprint(model, ids, rule="snapkv", budget=40)
 
 
-def test_compare_and_rules_load_the_rule_file(searched, tiny_dir, tmp_path, capsys):  # noqa: F811
+def test_compare_and_rules_load_the_rule_file(searched, tiny_dir, tmp_path, capsys):
     path = str(searched / "searched_b64.py")
     assert main(["rules", "--rule-file", path]) == 0
     assert "| `searched_b64` | a `weighted` rule fitted by `fxbudget search`" in capsys.readouterr().out
@@ -106,7 +105,7 @@ def test_compare_and_rules_load_the_rule_file(searched, tiny_dir, tmp_path, caps
     assert rows["searched_b64"]["kernel_fingerprint"] == rows["knorm"]["kernel_fingerprint"]
 
 
-def test_resume_continues_the_study(searched, tiny_dir, tmp_path):  # noqa: F811
+def test_resume_continues_the_study(searched, tiny_dir, tmp_path):
     import shutil
 
     out = tmp_path / "resumed"

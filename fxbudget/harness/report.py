@@ -180,13 +180,19 @@ def _interval(iv, digits: int = 2) -> str:
 def accuracy_table(rows: list[dict], sort: str = "accuracy", *, by_setting: bool = False) -> str:
     """Markdown: mean score [95% interval] (samples) per rule (rows) x budget (columns) over `rows`; the reference
     row spans all budgets. `by_setting` puts the protocols (settings) side by side."""
+    def cell(rule, rs) -> str:
+        return f"{_interval(mean_interval([r['score'] for r in rs]))} ({len(rs)})" if rs else ""
+
+    return _rule_table(rows, sort, by_setting, cell)
+
+
+def _rule_table(rows: list[dict], sort: str, by_setting: bool, cell) -> str:
+    """Markdown: one line per rule (in `sort` order), one column per budget (and setting); `cell(rule, rows)` writes
+    the cell of that rule's rows in a column."""
     cols = _columns(rows, by_setting)
     lines = ["| rule | " + " | ".join(c[0] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for rule in rule_order(rows, sort):
-        cells = []
-        for col in cols:
-            rs = _cells(rows, rule, col)
-            cells.append(f"{_interval(mean_interval([r['score'] for r in rs]))} ({len(rs)})" if rs else "")
+        cells = [cell(rule, _cells(rows, rule, col)) for col in cols]
         lines.append(f"| {_name(rule)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -198,22 +204,16 @@ def likelihood_table(rows: list[dict], sort: str = "accuracy", *, by_setting: bo
     if not metric_values(rows, "likelihood"):
         return None
     refs = reference_logprobs(rows)
-    cols = _columns(rows, by_setting)
-    lines = ["| rule | " + " | ".join(c[0] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for rule in rule_order(rows, sort):
-        cells = []
-        for col in cols:
-            rs = _cells(rows, rule, col)
-            if rule == REFERENCE or not refs:
-                values = metric_values(rs, "likelihood")
-                own = "abs " if refs else ""  # the reference's (or, without one, every rule's) own value
-                cells.append(f"{own}{mean(values):.3f} ({len(values)})" if values else "")
-                continue
-            values = [d for d in (logprob_delta(r, refs) for r in rs) if d is not None]
-            cells.append(f"{_interval(mean_interval(values, paired=True), 3)} ({len(values)})"
-                         if values else "")
-        lines.append(f"| {_name(rule)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+
+    def cell(rule, rs) -> str:
+        if rule == REFERENCE or not refs:
+            values = metric_values(rs, "likelihood")
+            own = "abs " if refs else ""  # the reference's (or, without one, every rule's) own value
+            return f"{own}{mean(values):.3f} ({len(values)})" if values else ""
+        values = [d for d in (logprob_delta(r, refs) for r in rs) if d is not None]
+        return f"{_interval(mean_interval(values, paired=True), 3)} ({len(values)})" if values else ""
+
+    return _rule_table(rows, sort, by_setting, cell)
 
 
 def paired(rows: list[dict], metric: str) -> dict:
