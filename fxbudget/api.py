@@ -401,6 +401,10 @@ class BudgetForward:
         keep = kwargs.pop("logits_to_keep", 0)
         if len(chunks) > 1 and not isinstance(keep, int):
             raise ValueError("with chunked prefill, logits_to_keep must be an int")
+        # Chunked, each chunk's logits predict across its boundary too: the loss is taken once over all the logits.
+        labels = kwargs.pop("labels", None) if len(chunks) > 1 else None
+        if labels is not None and keep:
+            raise ValueError("labels with chunked prefill need every position's logits: do not pass logits_to_keep")
         # If only the last `keep` positions are wanted and the final chunk holds them, earlier chunks compute 1.
         tail_only = len(chunks) == 1 or 0 < keep <= chunks[-1].stop - chunks[-1].start
         outputs, logits = None, []
@@ -421,7 +425,19 @@ class BudgetForward:
                 logits.append(outputs.logits)
         if logits:
             outputs.logits = torch.cat(logits, dim=1)[:, -keep:] if keep else torch.cat(logits, dim=1)
+        if labels is not None:
+            outputs.loss = self._loss(outputs.logits, labels)
         return outputs
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The model's own causal-LM loss over the whole call (transformers' `loss_function`), else the shifted
+        cross-entropy it computes (labels -100 ignored)."""
+        loss_function = getattr(self.model, "loss_function", None)
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if loss_function is not None and vocab is not None:
+            return loss_function(logits=logits, labels=labels.to(logits.device), vocab_size=vocab)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),
+                               ignore_index=-100)
 
     def _call_once(self, **kwargs):
         # Inference only: without autograd whatever the caller's grad mode (the in-place slot writes would break a

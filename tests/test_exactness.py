@@ -120,6 +120,25 @@ def test_cache_under_either_name(backend):
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_chunked_prefill_loss_spans_chunks(backend):
+    """`labels` with chunked prefill: one loss over every chunk's logits, each chunk's last position predicting the
+    next chunk's first token; under a covering budget it is the unmodified model's loss."""
+    model = tiny_model("qwen2")
+    torch.manual_seed(2)
+    ids = torch.randint(0, 96, (2, 20))
+    labels = ids.clone()
+    labels[0, 9] = -100  # an ignored label at a chunk boundary
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=labels)
+    m = fxbudget.compile(fresh(model), rule="snapkv", budget=COVERING, backend=backend, chunk_size=8, window=4)
+    out = m(input_ids=ids, labels=labels)  # chunks of 8, 8, 4
+    assert out.logits.shape == ref.logits.shape
+    assert (out.logits - ref.logits).abs().max() <= 1e-4 and (out.loss - ref.loss).abs() <= 1e-5
+    with pytest.raises(ValueError, match="labels with chunked prefill"):
+        m(input_ids=ids, labels=labels, logits_to_keep=1)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
 def test_grad_mode_runs_without_autograd(backend):
     """`model(ids, labels=ids)` outside torch.no_grad() (perplexity): inference-only, the no-grad numbers."""
     model = tiny_model("qwen2")
