@@ -67,7 +67,7 @@ cross_device() {
       || echo "cross_device: cuda $dt inductor failed or timed out"
   done
   for ab in "cpu-float32-eager cuda-float32-eager" "cpu-bfloat16-eager cuda-bfloat16-eager" \
-            "cuda-float32-eager cuda-float32-inductor" "cuda-bfloat16-eager cuda-bfloat16-inductor"; do
+            "cpu-float32-inductor cuda-float32-inductor" "cuda-float32-eager cuda-float32-inductor" "cuda-bfloat16-eager cuda-bfloat16-inductor"; do
     read -r a b <<< "$ab"
     if [[ -f $XD/$a.json.gz && -f $XD/$b.json.gz ]]; then pairs+=("$XD/$a.json.gz" "$XD/$b.json.gz"); fi
   done
