@@ -133,7 +133,7 @@ def main() -> int:
             wall = run_demo(Path(d) / a.grid, extra)
             publish(Path(d) / a.grid, wall)
     fill_readme()
-    print(f"docs/demo/ and README.md updated from {DOCS / 'report.md'}")
+    print(f"{DOCS.relative_to(ROOT)}/ and README.md updated from {DOCS / 'report.md'}")
     return 0
 
 
