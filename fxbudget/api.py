@@ -19,6 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .backend import INNER_BACKENDS, NoBudgetAttentionError, kernel_window, make_backend
 from .cache import BudgetCache, _layer_shapes
 from .cache_arg import cache_kwargs, cache_name, pick_cache
+from .checks import check_int
 from .eager import BudgetAttentionMode
 from .kernel import DEFAULT_BLOCK, check_block
 from .passes.sdpa import INTS_KEY, REGION_KEY
@@ -35,20 +36,15 @@ ATTN_IMPLEMENTATION = "fxbudget_sdpa"
 AttentionInterface.register(ATTN_IMPLEMENTATION, sdpa_attention_forward)
 
 
-def _check_int(name: str, value, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-
 def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: int | None) -> None:
     """Every check that can fail before the model is touched (DESIGN §7)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxbudget.compile expects a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model.forward, BudgetForward):
         raise ValueError("this model is already compiled by fxbudget; call model.forward.restore() first")
-    _check_int("budget", budget)
+    check_int("budget", budget)
     if chunk_size is not None:
-        _check_int("chunk_size", chunk_size)
+        check_int("chunk_size", chunk_size)
     if backend is not None and backend not in INNER_BACKENDS:
         raise ValueError(f"backend must be one of {INNER_BACKENDS} or None (no torch.compile), got {backend!r}")
     config = getattr(model, "config", None)
@@ -100,7 +96,7 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
     """
     _validate(model, budget, backend, chunk_size)
     rule_obj = get(rule, **rule_params)
-    _check_int("headroom", headroom, 0)
+    check_int("headroom", headroom, 0)
     check_block(block)
     if rule_obj.needs_rope and getattr(model, "config", None) is not None \
             and not BudgetCache(model.config, 1).has_rope:
@@ -509,7 +505,7 @@ def inspect(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
     Returns:
         The code of the rewritten graph(s), as `torch.fx` prints it.
     """
-    _check_int("budget", budget)
+    check_int("budget", budget)
     graphs = _captured_graphs(model, input_ids, rule, budget, cache, rule_params)
     return "\n".join(gm.code.strip() for gm in graphs)
 
@@ -586,7 +582,7 @@ def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor, *, rule: str |
     input length, the block and the window are part of it.
     Args and model handling as for `inspect`. Returns a hex sha256 string.
     """
-    _check_int("budget", budget)
+    check_int("budget", budget)
     block = max(2, (input_ids.shape[1] + 1) // 2) if block is None else block
     return graph_fingerprint(_captured_graphs(model, input_ids, rule, budget, cache, rule_params, block=block,
                                               decode=True))

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .checks import check_int
 from .eager import require_interceptor
 from .kernel import TOTALED
 from .marker import MARKER_STATICS, MARKER_TENSORS, MarkerCall, candidates  # noqa: F401  (importers use cache's)
@@ -162,8 +163,7 @@ class BudgetCache(Cache):
                  device: torch.device | str | list | tuple | None = None, headroom: int = 0,
                  layer_budgets: list[int] | None = None):
         for name, val, low in (("budget", budget, 1), ("batch_size", batch_size, 1), ("headroom", headroom, 0)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
+            check_int(name, val, low)
         n_layers, kv_heads, head_dim, heads, types = _layer_shapes(config)
         cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         dtype = dtype or torch.get_default_dtype()

@@ -31,6 +31,7 @@ from statistics import mean
 import torch
 from torch import Tensor, nn
 
+from ..checks import check_int
 from ..kernel import DEFAULT_WINDOW
 from ..rules import _LOADED, Rule, available, get, load_file
 from ..rules.weighted import WEIGHTS, Weighted, builtin_points
@@ -86,9 +87,7 @@ class SearchConfig:
         if not re.fullmatch(r"[a-z][a-z0-9_]*", self.name):
             raise ValueError(f"rule name must be lower-case letters, digits and '_', got {self.name!r}")
         for name in ("samples", "budget", "trials", "holdout_samples"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            check_int(name, getattr(self, name))
         if self.name in available() and self.name not in {n for _, names in _LOADED.values() for n in names}:
             raise ValueError(f"rule name {self.name!r} is taken by a registered rule; choose another --name")
         if REFERENCE in self.baselines or self.name in self.baselines:

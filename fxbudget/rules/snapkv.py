@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checks import check_int
 from . import register
 from .base import Rule, Signals, recent
 
@@ -25,8 +26,7 @@ class SnapKV(Rule):
     pooling: str = "max"
 
     def __post_init__(self):
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"{self.name} window must be an int >= 1, got {self.window!r}")
+        check_int(f"{self.name} window", self.window)
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"snapkv pooling must be 'max' or 'avg', got {self.pooling!r}")
         if self.kernel < 1 or self.kernel % 2 == 0:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checks import check_int
 from . import register
 from .base import Rule, Signals, recent
 
@@ -77,9 +78,7 @@ class Weighted(Rule):
 
     def __post_init__(self):
         for name in ("n_sink", "n_recent"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{self.name} {name} must be an int >= 0, got {v!r}")
+            check_int(f"{self.name} {name}", getattr(self, name), 0)
         if isinstance(self.pool, bool) or not isinstance(self.pool, int) or self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"{self.name} pool must be a positive odd int, got {self.pool!r}")
 
