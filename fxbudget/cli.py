@@ -271,22 +271,26 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _joined(values) -> str:
+    """A default as one would type it: argparse passes string defaults through the option's `type`."""
+    return ",".join(map(str, values))
+
+
 def _task_options(c, d, *, task_files: bool = True) -> None:
     """The task flags of `compare` (and `search`): model, tasks, lengths, samples, seed, protocol."""
     from .harness.runner import PROTOCOLS
     from .harness.tasks import TASKS
 
-    joined = lambda values: ",".join(map(str, values))  # noqa: E731
     c.add_argument("--model", default=None, help="local HF model directory or .gguf file (default: the embedded "
                    "Qwen2.5-Coder-0.5B-Instruct)")
-    c.add_argument("--tasks", type=_names, default=joined(d.tasks), help=f"comma-separated, from: {', '.join(TASKS)}")
+    c.add_argument("--tasks", type=_names, default=_joined(d.tasks), help=f"comma-separated, from: {', '.join(TASKS)}")
     if task_files:
         c.add_argument("--task-file", action="append", default=[], help="a JSONL task file (context, question, "
                        "answer, optional answer_prefix); repeatable")
-    c.add_argument("--lengths", type=_ints, default=joined(d.lengths), help="context lengths in tokens")
+    c.add_argument("--lengths", type=_ints, default=_joined(d.lengths), help="context lengths in tokens")
     c.add_argument("--samples", type=int, default=d.samples, help="samples per task and length")
     c.add_argument("--seed", type=int, default=d.seed, help="seed of the generated task samples")
-    c.add_argument("--protocol", type=_names, default=joined(d.protocols), help=f"comma-separated, from: "
+    c.add_argument("--protocol", type=_names, default=_joined(d.protocols), help=f"comma-separated, from: "
                    f"{', '.join(PROTOCOLS)}; several run in one pass (each protocol's prefill once per sample)")
 
 
@@ -324,12 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compare", help="run a grid of rules x budgets x tasks x lengths; write results and a report",
                        formatter_class=_HelpFormatter)
-    # Defaults as one would type them: argparse passes string defaults through `type`.
-    joined = lambda values: ",".join(map(str, values))  # noqa: E731
     _task_options(c, d)
-    c.add_argument("--rules", type=_names, default=joined(d.rules),
+    c.add_argument("--rules", type=_names, default=_joined(d.rules),
                    help="'full' = the unmodified model (reference row); see `fxbudget rules`")
-    c.add_argument("--budgets", type=_budgets, default=joined(d.budgets), help="KV entries per layer and KV head "
+    c.add_argument("--budgets", type=_budgets, default=_joined(d.budgets), help="KV entries per layer and KV head "
                    "(128), or percentages of each sample's context tokens (12.5%%); one kind per run")
     c.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default: one call)")
     c.add_argument("--backend", default="none", choices=["none", "inductor", "aot_eager", "eager"],
