@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -70,18 +71,27 @@ def fresh(model):
     return copy.deepcopy(model)
 
 
+@contextlib.contextmanager
+def registry_restored():
+    """The rule registry (and the rule files `load_file` registered) as it was on entry, again on exit."""
+    from fxbudget.rules import _LOADED, _REGISTRY
+
+    before, loaded = dict(_REGISTRY), dict(_LOADED)
+    try:
+        yield
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY.update(before)
+        _LOADED.clear()
+        _LOADED.update(loaded)
+
+
 @pytest.fixture(autouse=True)
 def _registry_restored():
     """Rules a test registers stay in that test: the registry is process-wide, and with pytest-xdist a later test in
     the same worker (e.g. cross_device's "every registered rule") would otherwise see them."""
-    from fxbudget.rules import _LOADED, _REGISTRY
-
-    before, loaded = dict(_REGISTRY), dict(_LOADED)  # _LOADED: the rule files `load_file` registered
-    yield
-    _REGISTRY.clear()
-    _REGISTRY.update(before)
-    _LOADED.clear()
-    _LOADED.update(loaded)
+    with registry_restored():
+        yield
 
 
 @pytest.fixture(scope="module")

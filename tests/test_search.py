@@ -14,6 +14,8 @@ from fxbudget.harness import search as S
 from fxbudget.harness.report import load_rows
 from fxbudget.models import load_model
 
+from conftest import registry_restored
+
 
 ARGS = ["--tasks", "passkey", "--lengths", "300", "--samples", "2", "--budget", "64", "--rules", "snapkv,knorm",
         "--holdout-samples", "2", "--max-new-tokens", "4", "--quiet"]
@@ -23,10 +25,8 @@ ARGS = ["--tasks", "passkey", "--lengths", "300", "--samples", "2", "--budget", 
 def _registry_as_before():
     """Rules registered by the rule files loaded here leave with this module: other test files list every
     registered rule (e.g. test_cross_device's grid), and xdist runs them in the same process."""
-    registry, loaded = dict(rules._REGISTRY), dict(rules._LOADED)
-    yield
-    rules._REGISTRY.clear(), rules._REGISTRY.update(registry)
-    rules._LOADED.clear(), rules._LOADED.update(loaded)
+    with registry_restored():
+        yield
 
 
 def run_search(tiny_dir, out, trials, *extra):
