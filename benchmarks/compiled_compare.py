@@ -14,18 +14,17 @@ every compile <= 1.5x the eager run's.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import ROOT, command_line, emit, env_info, header_lines, load_str, md_table  # noqa: E402
+from _common import command_line, emit, env_info, header_lines, md_table  # noqa: E402
+from demo_readme import run_demo  # noqa: E402
+
+from fxbudget.harness.results import read_rows  # noqa: E402
 
 GOAL = 1.5
 QUICK = ["--samples", "1", "--tasks", "passkey", "--rules", "full,snapkv", "--budgets", "25%"]
@@ -33,15 +32,12 @@ MATCH = ("task", "sample", "protocol", "rule", "budget")
 
 
 def run(out: Path, backend: str | None, extra: list[str], inductor_cache: Path) -> dict:
-    """One `python -m fxbudget.demo` run into `out`; its wall seconds and the load around it."""
-    cmd = [sys.executable, "-m", "fxbudget.demo", *extra, "--out", str(out)]
-    if backend:
-        cmd += ["--backend", backend]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)}
-    load_before, t = load_str(), time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True, env=env)
-    return {"backend": backend or "eager", "wall_s": time.perf_counter() - t, "load_before": load_before,
-            "load_after": load_str(), "rows": [json.loads(line) for line in (out / "results.jsonl").open()]}
+    """One `python -m fxbudget.demo` run into `out` (`demo_readme.run_demo`): its wall seconds, the load around it
+    and its rows."""
+    wall = run_demo(out, extra + (["--backend", backend] if backend else []),
+                    env={"TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)})
+    return {"backend": backend or "eager", "wall_s": wall["wall_s"], "load_before": wall["load_before"],
+            "load_after": wall["load_after"], "rows": read_rows(out / "results.jsonl")}
 
 
 def compare(a: dict, b: dict) -> tuple[list[str], float]:

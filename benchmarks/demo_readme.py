@@ -41,12 +41,12 @@ KEEP = ("report.md", "summary.csv", "paired.csv", "results.jsonl", "run.json", "
         "likelihood_vs_budget.png")
 
 
-def run_demo(out: Path, extra: list[str]) -> dict:
+def run_demo(out: Path, extra: list[str], env: dict[str, str] | None = None) -> dict:
     """`python -m fxbudget.demo [EXTRA] --out OUT` in a fresh folder, timed as a user would see it (model assembly
-    included)."""
+    included); `env` adds to the process's environment."""
     cmd = [sys.executable, "-m", "fxbudget.demo", *extra, "--out", str(out)]
     load_before, t = load_str(), time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
     return {**env_info("cpu"), "command": " ".join(["OMP_NUM_THREADS=1 python -m fxbudget.demo", *extra]),
             "wall_s": round(time.perf_counter() - t, 1), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
             "load_before": load_before, "load_after": load_str()}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import tempfile
 import time
@@ -35,7 +34,9 @@ BUDGETS = "128,256,512"
 
 
 def _rows(out: Path) -> dict:
-    return {r["key"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    from fxbudget.harness.results import read_rows
+
+    return {r["key"]: r for r in read_rows(out / "results.jsonl")}
 
 
 def main() -> None:
