@@ -25,7 +25,7 @@ DEMO_ARGS = ["compare", "--tasks", "passkey,niah_multikey", "--lengths", "1000",
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli_main(DEMO_ARGS + list(sys.argv[1:] if argv is None else argv))
+    return cli_main(DEMO_ARGS + list(sys.argv[1:] if argv is None else argv), whole_process=argv is None)
 
 
 if __name__ == "__main__":

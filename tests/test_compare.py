@@ -274,22 +274,25 @@ def test_compiled_forwards_serve_every_sample(tiny_dir, tmp_path):
     assert all(flags.count(True) == 1 for flags in compiled_first.values()), compiled_first
 
 
-def test_bad_arguments_fail_clearly(tiny_dir, tmp_path):
-    with pytest.raises(SystemExit, match="unknown rule 'nope'"):
-        main(["compare", "--model", tiny_dir, "--rules", "nope", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="unknown task"):
-        main(["compare", "--model", tiny_dir, "--tasks", "nope", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="no results"):
-        main(["report", str(tmp_path)])
+def test_bad_arguments_fail_clearly(tiny_dir, tmp_path, capsys):
+    def fails(argv, match):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err) and len(err.strip().splitlines()) == 1, err
+
+    fails(["compare", "--model", tiny_dir, "--rules", "nope", "--out", str(tmp_path)], "unknown rule 'nope'")
+    fails(["compare", "--model", tiny_dir, "--tasks", "nope", "--out", str(tmp_path)], "unknown task")
+    fails(["report", str(tmp_path)], "no results")
     with pytest.raises(SystemExit):
         main(["compare", "--shard", "2/2"])
-    with pytest.raises(SystemExit, match="mix absolute"):
-        main(["compare", "--model", tiny_dir, "--budgets", "128,12.5%", "--out", str(tmp_path)])
+    capsys.readouterr()
+    fails(["compare", "--model", tiny_dir, "--budgets", "128,12.5%", "--out", str(tmp_path)], "mix absolute")
     for bad in ("0%", "150%", "x%", "12.5"):
         with pytest.raises(SystemExit):
             main(["compare", "--model", tiny_dir, "--budgets", bad, "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="protocols must be"):
-        main(["compare", "--model", tiny_dir, "--protocol", "query-aware,nope", "--out", str(tmp_path)])
+    capsys.readouterr()
+    fails(["compare", "--model", tiny_dir, "--protocol", "query-aware,nope", "--out", str(tmp_path)],
+          "unknown protocol 'nope'")
 
 
 def test_help_names_each_default_once(capsys):
@@ -298,7 +301,8 @@ def test_help_names_each_default_once(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: None)" not in text and "(default: False)" not in text
     assert not re.search(r"\(default: [^)]*\) \(default:", text)  # e.g. "(default: one call) (default: None)"
-    assert "(default: passkey)" in text and "(default: 0/1)" in text and "(default: one call)" in text
+    assert "(default: passkey, unless --task-file" in text and "(default: 0/1)" in text
+    assert "(default: one call)" in text
 
 
 def test_rules_command_lists_every_rule(capsys):
@@ -363,8 +367,8 @@ def test_peak_memory_block_reads_cuda_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(device))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 123)
     cuda = torch.device("cuda", 0)
-    assert runner._Peak(cuda).read() == 123 and calls == [cuda]  # reset when the block starts
-    assert runner._Peak(torch.device("cpu")).read() is None and calls == [cuda]
+    assert runner.Peak(cuda).read() == 123 and calls == [cuda]  # reset when the block starts
+    assert runner.Peak(torch.device("cpu")).read() is None and calls == [cuda]
 
 
 def test_peaks_recorded_per_row_and_for_the_shared_prefill(tiny_dir, tmp_path, monkeypatch):
@@ -382,7 +386,7 @@ def test_peaks_recorded_per_row_and_for_the_shared_prefill(tiny_dir, tmp_path, m
         def read(self):
             return self.n
 
-    monkeypatch.setattr(runner, "_Peak", NumberedPeak)
+    monkeypatch.setattr(runner, "Peak", NumberedPeak)
     model, tok, name = load_model(tiny_dir, progress=False)
     grid = runner.Grid(tasks=["passkey"], lengths=[300], rules=["full", "h2o", "knorm"], budgets=[32], samples=1)
     rows = {r["rule"]: r for r in runner.Runner(model, tok, name, grid, tmp_path, progress=False,

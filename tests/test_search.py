@@ -105,7 +105,7 @@ def test_compare_and_rules_load_the_rule_file(searched, tiny_dir, tmp_path, caps
     assert rows["searched_b64"]["kernel_fingerprint"] == rows["knorm"]["kernel_fingerprint"]
 
 
-def test_resume_continues_the_study(searched, tiny_dir, tmp_path):
+def test_resume_continues_the_study(searched, tiny_dir, tmp_path, capsys):
     import shutil
 
     out = tmp_path / "resumed"
@@ -117,22 +117,51 @@ def test_resume_continues_the_study(searched, tiny_dir, tmp_path):
     assert [(t.number, t.params, t.value) for t in after[:8]] == [(t.number, t.params, t.value) for t in before]
     run_search(tiny_dir, out, 10)  # complete: nothing more to run
     assert len(trials_of(out)[1]) == 10
-    with pytest.raises(SystemExit, match="other settings"):
-        main(["search", "--model", tiny_dir, *ARGS, "--seed", "3", "--trials", "10", "--out", str(out)])
+    capsys.readouterr()
+    assert main(["search", "--model", tiny_dir, *ARGS, "--seed", "3", "--trials", "10", "--out", str(out)]) == 2
+    assert "other settings" in capsys.readouterr().err
 
 
-def test_without_optuna_says_how_to_install(monkeypatch, tmp_path):
+def test_without_optuna_says_how_to_install(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "optuna", None)  # `import optuna` raises ImportError
-    with pytest.raises(SystemExit, match=r"pip install 'flexbudget\[search\]'"):
-        main(["search", "--out", str(tmp_path)])
+    assert main(["search", "--out", str(tmp_path)]) == 2
+    assert "pip install 'flexbudget[search]'" in capsys.readouterr().err
 
 
-def test_bad_settings_are_refused_before_loading_a_model(tmp_path):
+def test_bad_settings_are_refused_before_loading_a_model(tmp_path, capsys):
     for bad, match in ((["--protocol", "query-agnostic,query-aware"], "one --protocol"),
                        (["--holdout-seed", "0"], "held-out seed"), (["--name", "snapkv"], "taken"),
-                       (["--rules", "full,snapkv"], "baselines"), (["--tasks", "nope"], "unknown task")):
-        with pytest.raises(SystemExit, match=match):
-            main(["search", "--model", "/nonexistent", *bad, "--out", str(tmp_path)])
+                       (["--rules", "full,snapkv"], "baselines"), (["--tasks", "nope"], "unknown task"),
+                       (["--dtype", "float64"], "unknown dtype"), ([], "--model /nonexistent does not exist")):
+        assert main(["search", "--model", "/nonexistent", *bad, "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert match in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_lengths_below_a_task_minimum_are_refused_before_the_model(tiny_dir, tmp_path, capsys, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: 1 / 0)
+    assert main(["search", "--model", tiny_dir, "--lengths", "10", "--out", str(tmp_path / "o")]) == 2
+    assert "passkey at 10 tokens" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_the_dtype_is_part_of_the_study(tmp_path):
+    config = S.SearchConfig(model="m", tasks=["passkey"], lengths=[300], samples=1, seed=0, budget=64,
+                            dtype="bfloat16")
+    study = S.open_study(tmp_path, config)
+    assert study.user_attrs["config"]["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="other settings.*dtype"):
+        S.open_study(tmp_path, S.SearchConfig(model="m", tasks=["passkey"], lengths=[300], samples=1, seed=0,
+                                              budget=64, dtype="float32"))
+    # A study stored before the dtype was keyed ran float32: it resumes at float32.
+    old = tmp_path / "old"
+    key = {k: v for k, v in config.study_key().items() if k != "dtype"}
+    S.open_study(old, S.SearchConfig(model="m", tasks=["passkey"], lengths=[300], samples=1, seed=0, budget=64,
+                                     dtype="float32")).set_user_attr("config", key)
+    S.open_study(old, S.SearchConfig(model="m", tasks=["passkey"], lengths=[300], samples=1, seed=0, budget=64,
+                                     dtype="float32"))
 
 
 def _rows(values: dict[str, list[float]], metric_field: str = "answer_logprob_mean") -> list[dict]:

@@ -1,3 +1,5 @@
-"""The comparison harness behind `fxbudget compare` and `fxbudget report`: tasks and prompts (`tasks`), the grid
-runner (`runner`), the shared prefill branched per rule (`branch`), result files (`results`), reports (`report`) and
+"""The comparison harness behind `fxbudget compare`, `search` and `report`: the grid and its row keys (`grid`, no
+torch), tasks and prompts (`tasks`, one module per task family), the grid runner (`runner`) and what it measures
+(`measure`), the shared prefill branched per rule (`branch`), the answer likelihood (`likelihood`), result files
+(`results`), reports (`report`, `plots`, `stats`), the rule search (`search`), Ray (`ray_runner`, `ray_options`) and
 the allocator setting (`malloc`)."""

@@ -20,6 +20,7 @@ Workers run this process's `fxbudget` code (shipped with Ray's `runtime_env` `py
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -32,10 +33,12 @@ from pathlib import Path
 
 import torch
 
-from ..models import load_model, model_name
+from ..model_source import ModelSource, resolve_model
+from ..models import load_model
+from ..rules import get
 from . import results
 from .malloc import tune_malloc
-from ..rules import get
+from .ray_options import RayOptions
 from .runner import REFERENCE, Grid, Runner, Unit
 
 log = logging.getLogger("fxbudget")
@@ -67,47 +70,12 @@ def require_ray():
     return ray
 
 
-@dataclass
-class RayOptions:
-    """Where and how wide a distributed run goes.
-
-    Args:
-        address: "auto" (the running cluster: `ray start` on this machine, or `RAY_ADDRESS`), "local" (a new Ray on
-            this machine only) or a cluster address ("ray://HOST:10001", "HOST:6379"), as `ray.init` takes it;
-            unused when this process already called `ray.init()`.
-        workers: actors to start (None: as many as the cluster has room for now); never more than the units to run.
-        cpus_per_worker: Ray CPUs each worker holds; also its torch threads unless `threads` is given.
-        gpus_per_worker: Ray GPUs each worker holds (0: the model on CPU; 1 or a fraction: on one GPU; more: spread
-            over them with `device_map="auto"`).
-        threads: torch threads per worker (None: `cpus_per_worker`, at least 1).
-        max_attempts: how many times one unit may lose its worker before the run stops.
-        max_restarts: how many times Ray restarts a worker that died.
-    """
-
-    address: str = "auto"
-    workers: int | None = None
-    cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 0.0
-    threads: int | None = None
-    max_attempts: int = 3
-    max_restarts: int = 3
-
-    def validate(self) -> None:
-        if self.workers is not None and self.workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {self.workers}")
-        if self.cpus_per_worker < 0 or self.gpus_per_worker < 0:
-            raise ValueError("--cpus-per-worker and --gpus-per-worker must be >= 0")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.max_attempts < 1 or self.max_restarts < 0:
-            raise ValueError("max_attempts must be >= 1 and max_restarts >= 0")
-
-
 class _Worker:
     """A Ray actor (`ray.remote` is applied when a run starts, Ray being optional): loads the model once on what Ray
     gave it, then runs units and streams their rows."""
 
-    def __init__(self, spec, grid: Grid, out_dir: str, max_new_tokens: int | None, threads: int, tune: bool):
+    def __init__(self, source: ModelSource, grid: Grid, out_dir: str, max_new_tokens: int | None, threads: int,
+                 tune: bool, dtype: str | None = None):
         import ray
 
         if tune:
@@ -115,7 +83,7 @@ class _Worker:
         torch.set_num_threads(threads)
         gpus = len(ray.get_gpu_ids())  # Ray set CUDA_VISIBLE_DEVICES to them: cuda:0 .. gpus-1
         device_map = None if gpus == 0 else {"": 0} if gpus == 1 else "auto"
-        model, tok, name = load_model(spec, progress=False, device_map=device_map)
+        model, tok, name = load_model(source, progress=False, device_map=device_map, dtype=dtype)
         # Its out_dir is never written (only the driver's Runner.prepare creates it).
         self.runner = Runner(model, tok, name, grid, out_dir, progress=False, max_new_tokens=max_new_tokens)
 
@@ -162,23 +130,29 @@ class RayRunner:
     and keys; resumable, shardable). This process does not load the model.
 
     Args:
-        model_spec: what `fxbudget.models.load_model` takes (None: the embedded model); a path must exist on every
-            node (it is made absolute here).
+        model_spec: what `fxbudget.models.load_model` takes (None: the embedded model; a path, a hub id or a
+            `ModelSource`); a path must exist on every node (it is made absolute here), a hub id is loaded by each
+            worker through its node's HF cache.
         grid, out_dir, shard, progress, max_new_tokens: as for `Runner`.
         options: the cluster and the workers' resources.
         tune_malloc: workers keep freed heap pages, as `fxbudget compare` does (`harness/malloc.py`).
+        dtype: the workers' model dtype (None: bfloat16 on a GPU worker, float32 on a CPU one).
     Raises:
         RayMissingError: Ray is not installed.
     """
 
     def __init__(self, model_spec, grid: Grid, out_dir: str | Path, *, shard: tuple[int, int] = (0, 1),
                  progress: bool = True, max_new_tokens: int | None = None, options: RayOptions | None = None,
-                 tune_malloc: bool = True):
+                 tune_malloc: bool = True, dtype: str | None = None):
         self.ray = require_ray()
         self.options = options or RayOptions()
         self.options.validate()
-        self.spec = None if model_spec is None else str(Path(model_spec).expanduser().resolve())
-        self.model_name = model_name(model_spec)
+        source = model_spec if isinstance(model_spec, ModelSource) else resolve_model(model_spec)
+        if source.kind in ("dir", "gguf"):  # the workers may start elsewhere: an absolute path
+            source = dataclasses.replace(source, location=str(Path(source.location).resolve()))
+        self.source, self.dtype = source, dtype
+        self.spec = source.location
+        self.model_name = source.name
         self.writer = Runner(None, None, self.model_name, grid, out_dir, shard=shard, progress=progress,
                              max_new_tokens=max_new_tokens)
         self.path, self.tune = self.writer.path, tune_malloc
@@ -258,7 +232,7 @@ class RayRunner:
         worker = ray.remote(_Worker).options(num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker,
                                              max_restarts=o.max_restarts, max_task_retries=0)
         g = self.writer
-        actors = [worker.remote(self.spec, g.grid, str(g.out_dir), g.max_new, threads, self.tune)
+        actors = [worker.remote(self.source, g.grid, str(g.out_dir), g.max_new, threads, self.tune, self.dtype)
                   for _ in range(min(wanted, units))]
         try:
             self.workers = ray.get([a.info.remote() for a in actors])

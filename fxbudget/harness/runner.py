@@ -28,151 +28,53 @@ kind per run. Every row also records the teacher-forced log-likelihood of the go
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import math
-import platform
-import sys
-import time
-from dataclasses import asdict, dataclass, field
-from fractions import Fraction
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
 import torch
-import transformers
 from torch import nn
 
 from ..api import BudgetForward, frozen_runner, kernel_fingerprint
 from ..api import compile as fx_compile
-from ..backend import INNER_BACKENDS, kernel_window
-from ..cache_arg import cache_kwargs, output_cache
+from ..backend import kernel_window
+from ..cache_arg import output_cache
 from ..rules import get
 from . import results
 from .branch import branch, shared_prefill
+# The grid lives in `grid` (no torch import: the CLI checks it before loading anything); re-exported here, where
+# callers have always found it.
+from .grid import PROTOCOLS, REFERENCE, Grid, Unit, budget_fraction, configs, resolve_budget, row_key, units
 from .likelihood import answer_logprobs, finish_prompt, frozen_tokens
-from .malloc import malloc_setting
-from .tasks import TASKS, Sample, answer_ids, chat_ids, load_jsonl, make_samples, score
+from .measure import Clock, Peak, environment, eos_ids, greedy, kv_bytes
+from .tasks import Sample, answer_ids, chat_ids, load_jsonl, make_samples, score
 
-PROTOCOLS = ("query-agnostic", "query-aware", "streaming")
-REFERENCE = "full"  # the unmodified model
+__all__ = ["PROTOCOLS", "REFERENCE", "Grid", "Runner", "Unit", "budget_fraction", "build_samples", "configs",
+           "environment", "resolve_budget", "row_key", "units"]
 
 
-def budget_fraction(spec: int | str) -> float | None:
-    """The fraction of a relative budget (`"12.5%"` -> 0.125), None for an absolute one (a positive int).
+def build_samples(grid: Grid, tokenizer, plan=None) -> dict:
+    """The samples of the grid's units (of `plan`'s, if given), built with the tokenizer alone: the lengths are
+    checked against each task's minimum here, before a model loads.
 
+    Args:
+        grid: a validated grid.
+        tokenizer: the model's tokenizer.
+        plan: `Runner.plan()` (None: every unit of the grid).
+    Returns:
+        The sample cache a `Runner` takes (`samples=`): (task, length) -> samples, task file -> samples.
     Raises:
-        ValueError: anything else, or a percentage outside (0, 100].
+        ValueError: "TASK at N tokens: ..." for a length below the task's minimum.
     """
-    if isinstance(spec, int) and not isinstance(spec, bool):
-        if spec < 1:
-            raise ValueError(f"an absolute budget must be a positive int, got {spec}")
-        return None
-    if isinstance(spec, str) and spec.endswith("%"):
+    cache: dict = {}
+    for unit in (units(grid) if plan is None else [u for u, _ in plan]):
         try:
-            pct = Fraction(spec[:-1])
-        except ValueError:
-            pct = None
-        if pct is not None and 0 < pct <= 100:
-            return float(pct / 100)
-    raise ValueError(f"a budget is a positive int (KV entries) or a percentage in (0, 100] such as '12.5%', "
-                     f"got {spec!r}")
-
-
-def resolve_budget(spec: int | str, context_tokens: int) -> int:
-    """The absolute budget of `spec` for a sample whose context has `context_tokens` tokens (floor, at least 1)."""
-    if budget_fraction(spec) is None:
-        return spec
-    return max(1, math.floor(Fraction(spec[:-1]) / 100 * context_tokens))
-
-
-@dataclass
-class Grid:
-    """What to run. `rules` may include "full" (the reference row, no budget); `rule_params` maps a rule name to
-    its hyperparameters; `task_files` are user JSONL files run in addition to the generated `tasks`; `budgets`
-    are ints (absolute) or percentages of each sample's context such as "12.5%" (one kind per run); `protocols`
-    run in one pass over the samples; `likelihood` adds the answer log-likelihood to every row."""
-
-    tasks: list[str] = field(default_factory=lambda: ["passkey"])
-    lengths: list[int] = field(default_factory=lambda: [2000])
-    rules: list[str] = field(default_factory=lambda: ["full", "streamingllm", "h2o", "snapkv", "tova", "knorm"])
-    budgets: list[int | str] = field(default_factory=lambda: [128, 256, 512, 1024])
-    samples: int = 3
-    seed: int = 0
-    protocols: list[str] = field(default_factory=lambda: ["query-agnostic"])
-    chunk_size: int | None = None
-    backend: str | None = None  # None: fxbudget's eager kernel; or a Dynamo backend ("inductor", ...)
-    share_prefill: bool = True
-    rule_params: dict[str, dict] = field(default_factory=dict)
-    task_files: list[str] = field(default_factory=list)
-    likelihood: bool = True
-
-    def validate(self) -> None:
-        if (not self.protocols or len(set(self.protocols)) != len(self.protocols)
-                or any(p not in PROTOCOLS for p in self.protocols)):
-            raise ValueError(f"protocols must be distinct names from {PROTOCOLS}, got {self.protocols!r}")
-        if not self.tasks and not self.task_files:
-            raise ValueError("nothing to run: give --tasks and/or --task-file")
-        for t in self.tasks:
-            if t not in TASKS:
-                raise ValueError(f"unknown task {t!r}; known tasks: {', '.join(TASKS)}")
-        windows = {r: kernel_window(get(r, **self.rule_params.get(r, {})))  # get raises, listing the known rules
-                   for r in self.rules if r != REFERENCE}
-        if len(set(windows.values())) > 1:
-            # The window is a parameter of the shared kernel's measure phase: rules compare only at one window.
-            raise ValueError("the rules of one comparison must share one observation window (it is part of the "
-                             "shared kernel), got " + ", ".join(f"{r} {w}" for r, w in windows.items())
-                             + "; run each window as its own comparison (e.g. --param snapkv.window=32)")
-        if not self.lengths or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.lengths):
-            raise ValueError(f"lengths must be positive ints, got {self.lengths!r}")
-        if not self.budgets:
-            raise ValueError("budgets must not be empty")
-        kinds = {budget_fraction(b) is None for b in self.budgets}  # raises on a malformed budget
-        if len(kinds) > 1:
-            raise ValueError(f"budgets {self.budgets} mix absolute (KV entries) and relative (% of the context) "
-                             "budgets: use one kind per run (`fxbudget report` merges runs)")
-        if self.samples < 1:
-            raise ValueError(f"samples must be >= 1, got {self.samples}")
-        if self.backend is not None and self.backend not in INNER_BACKENDS:
-            raise ValueError(f"backend must be one of {INNER_BACKENDS} or None, got {self.backend!r}")
-        for f in self.task_files:
-            if not Path(f).is_file():
-                raise FileNotFoundError(f"task file {f} does not exist")
-
-    @property
-    def shares_prefill(self) -> bool:
-        """Whether rules share one prefill per sample (on the eager kernel): it must be a single call."""
-        return self.share_prefill and self.chunk_size is None
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One sample of one task at one length: every configuration of the grid runs on it."""
-
-    task: str
-    length: int | None  # None for user task files
-    index: int
-
-
-def units(grid: Grid) -> list[Unit]:
-    """Every sample of the grid in a fixed order (the order `--shard` splits)."""
-    out = [Unit(t, n, i) for t in grid.tasks for n in grid.lengths for i in range(grid.samples)]
-    for f in grid.task_files:
-        out += [Unit(str(f), None, i) for i in range(len(load_jsonl(f)))]
-    return out
-
-
-def configs(grid: Grid) -> list[tuple[str, str, int | str | None]]:
-    """(protocol, rule, budget) triples; the reference row has no budget. A budget is as given (int or "12.5%")."""
-    return [(p, r, None) if r == REFERENCE else (p, r, b) for p in grid.protocols for r in grid.rules
-            for b in ([None] if r == REFERENCE else grid.budgets)]
-
-
-def row_key(model_name: str, grid: Grid, unit: Unit, protocol: str, rule: str, budget: int | str | None) -> str:
-    """What identifies a result: completed keys are skipped when a run resumes."""
-    params = json.dumps(grid.rule_params.get(rule, {}), sort_keys=True)
-    return "|".join(map(str, (model_name, unit.task, unit.length, unit.index, grid.seed, rule, params, budget,
-                              protocol, grid.chunk_size, grid.backend)))
+            _load_sample(grid, unit, tokenizer, cache)
+        except ValueError as e:
+            raise ValueError(f"{unit.task} at {unit.length} tokens: {e}") from None
+    return cache
 
 
 def _load_sample(grid: Grid, unit: Unit, tokenizer, cache: dict) -> Sample:
@@ -186,80 +88,6 @@ def _load_sample(grid: Grid, unit: Unit, tokenizer, cache: dict) -> Sample:
     return cache[key][unit.index]
 
 
-def _compile_seconds() -> float:
-    """Total time Dynamo has spent compiling in this process (tracing and the backend, Inductor included)."""
-    return sum(torch._dynamo.utils.compilation_time_metrics.get("_compile.compile_inner", []))
-
-
-class _Clock:
-    """Wall time of a block, with the compile time spent inside it split out."""
-
-    def __enter__(self):
-        self.t0, self.c0 = time.perf_counter(), _compile_seconds()
-        return self
-
-    def __exit__(self, *exc):
-        self.compile = _compile_seconds() - self.c0
-        self.run = time.perf_counter() - self.t0 - self.compile
-
-
-def _greedy(model: nn.Module, cache, logits: torch.Tensor, max_new: int, eos: set[int]) -> tuple[list[int], object]:
-    """Greedy tokens from `logits` (the last prefill position) on; returns them and the cache."""
-    out: list[int] = []
-    for _ in range(max_new):
-        tok = int(logits[0].argmax())
-        if tok in eos:
-            break
-        out.append(tok)
-        if len(out) == max_new:
-            break
-        step = model(input_ids=torch.tensor([[tok]], device=logits.device), use_cache=True, logits_to_keep=1,
-                     **cache_kwargs(model.forward, cache))
-        logits, cache = step.logits[:, -1], output_cache(step)
-    return out, cache
-
-
-def _kv_bytes(cache) -> dict:
-    """KV bytes allocated (every slot, empty and head-room included) and held (slots holding a token)."""
-    if hasattr(cache, "held_kv_bytes"):
-        return {"kv_allocated_bytes": cache.kv_bytes(), "kv_held_bytes": cache.held_kv_bytes()}
-    full = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if t is not None)  # transformers' own cache grows to exactly the tokens it holds
-    return {"kv_allocated_bytes": full, "kv_held_bytes": full}
-
-
-class _Peak:
-    """Peak allocator memory on CUDA from construction (which resets the peak) to `read()`; None on other devices."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-
-    def read(self) -> int | None:
-        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = ids if isinstance(ids, list) else [ids]
-    return {i for i in ids + [tokenizer.eos_token_id] if i is not None}
-
-
-def environment(model: nn.Module) -> dict:
-    """Versions and device: recorded in every row."""
-    p = next(model.parameters())
-    try:
-        version = importlib.metadata.version("flexbudget")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "fxbudget": version,
-            "python": platform.python_version(), "dtype": str(p.dtype).removeprefix("torch."), "device": str(p.device),
-            "threads": torch.get_num_threads(), "malloc": malloc_setting(), "machine": platform.machine(),
-            "platform": sys.platform}
-
-
 class Runner:
     """Runs a `Grid` on one model and appends rows to `out_dir/results*.jsonl` (resumable, shardable).
 
@@ -267,7 +95,8 @@ class Runner:
     workers run the units with `unit_rows`)."""
 
     def __init__(self, model: nn.Module | None, tokenizer, model_name: str, grid: Grid, out_dir: str | Path, *,
-                 shard: tuple[int, int] = (0, 1), progress: bool = True, max_new_tokens: int | None = None):
+                 shard: tuple[int, int] = (0, 1), progress: bool = True, max_new_tokens: int | None = None,
+                 samples: dict | None = None):
         grid.validate()
         i, n = shard
         if not (n >= 1 and 0 <= i < n):
@@ -276,15 +105,16 @@ class Runner:
         self.out_dir, self.shard, self.progress, self.max_new = Path(out_dir), shard, progress, max_new_tokens
         self.path = self.out_dir / ("results.jsonl" if n == 1 else f"results-shard{i}of{n}.jsonl")
         self.env = environment(model) if model is not None else {}
-        self.eos = _eos_ids(model, tokenizer) if model is not None else set()
+        self.eos = eos_ids(model, tokenizer) if model is not None else set()
         self._fingerprints: dict[str, str] = {}
-        self._samples: dict = {}
+        self._samples: dict = dict(samples or {})  # from build_samples, or built as the units run
         self._forwards: dict[tuple, BudgetForward] = {}  # (rule, params, budget) -> forward, reused across samples
         # (window, budget, block) -> compiled runner of frozen calls shared by every rule, and the graphs it compiled
         self._frozen: dict[tuple, tuple[object, list]] = {}
         # The same cache and question shapes for every sample (set by run() from the plan).
         self.headroom, self.question_bucket = 0, 0
         self.compile_s = self.run_s = 0.0
+        self.fingerprint_s = 0.0  # tracing the kernel fingerprints (outside compile_s and run_s)
 
     def done_keys(self) -> set[str]:
         """Keys of the complete rows in `out_dir` (every shard's file): a row cut short by a kill is not done."""
@@ -396,7 +226,9 @@ class Runner:
             ids = torch.zeros(1, 8, dtype=torch.long, device=next(self.model.parameters()).device)
             # Sizes are not part of the fingerprint: any budget gives the same one (relative budgets: 1024).
             budget = max((b for b in self.grid.budgets if budget_fraction(b) is None), default=1024)
-            self._fingerprints[rule.name] = kernel_fingerprint(self.model, ids, rule=rule, budget=budget)
+            with Clock() as clock:
+                self._fingerprints[rule.name] = kernel_fingerprint(self.model, ids, rule=rule, budget=budget)
+            self.fingerprint_s += clock.run + clock.compile
         return self._fingerprints[rule.name]
 
     def _run_unit(self, unit: Unit, todo, bar):
@@ -422,8 +254,8 @@ class Runner:
             prefill_ids = torch.cat([ctx, question], dim=1) if aware else ctx
             shared, shared_s, shared_peak = None, None, None
             if g.shares_prefill and any(rule != REFERENCE for _, rule, _ in group):
-                peak = _Peak(prefill_ids.device)
-                with _Clock() as c:
+                peak = Peak(prefill_ids.device)
+                with Clock() as c:
                     shared = shared_prefill(model, prefill_ids)
                 shared_s, shared_peak = c.run, peak.read()
                 self.run_s += c.run
@@ -442,23 +274,23 @@ class Runner:
                 yield row
             del shared  # a shared prefill holds every layer's queries and keys: free it before the next one
 
-    def _timed(self, clock: _Clock) -> None:
+    def _timed(self, clock: Clock) -> None:
         self.compile_s += clock.compile
         self.run_s += clock.run
 
     def _reference(self, ctx, question, answer, max_new) -> dict:
         """The unmodified model, transformers' own cache: the full-cache reference row."""
-        peak = _Peak(ctx.device)
-        with _Clock() as pre:
+        peak = Peak(ctx.device)
+        with Clock() as pre:
             out = self.model(input_ids=torch.cat([ctx, question], dim=1), use_cache=True, logits_to_keep=1)
         likelihood = self._likelihood(output_cache(out), out.logits[:, -1], answer)
-        with _Clock() as dec:
-            ids, cache = _greedy(self.model, output_cache(out), out.logits[:, -1], max_new, self.eos)
+        with Clock() as dec:
+            ids, cache = greedy(self.model, output_cache(out), out.logits[:, -1], max_new, self.eos)
         self._timed(pre), self._timed(dec)
         return {"rule": REFERENCE, "rule_params": {}, "budget": None, "window": None, "kernel_fingerprint": None,
                 "shared_prefill": False, "prefill_s": pre.run, "decode_s": dec.run,
                 "compile_s": pre.compile + dec.compile + likelihood.pop("compile_s"), **likelihood,
-                "output_ids": ids, "output_tokens": len(ids), **_kv_bytes(cache), "peak_mem_bytes": peak.read()}
+                "output_ids": ids, "output_tokens": len(ids), **kv_bytes(cache), "peak_mem_bytes": peak.read()}
 
     # --- answer likelihood (issue 13): scored on a copy of the cache right after the prefill ---------------------
     def _likelihood(self, cache, last_logits, answer, *, evict: bool = False, stepwise: bool = False) -> dict:
@@ -466,7 +298,7 @@ class Runner:
         (`likelihood.py`); None when switched off."""
         if answer is None:
             return {"answer_logprob": None, "answer_logprob_mean": None, "likelihood_s": None, "compile_s": 0.0}
-        with _Clock() as clock:
+        with Clock() as clock:
             lp = answer_logprobs(self.model, cache, last_logits, answer, evict=evict, stepwise=stepwise)
         self._timed(clock)
         return {"answer_logprob": float(lp.sum()), "answer_logprob_mean": float(lp.mean()),
@@ -480,26 +312,26 @@ class Runner:
         forward = self._forward(rule, budget)
         # With a shared prefill, the forward's own peak is recorded apart (`shared_prefill_peak_mem_bytes`); this one
         # covers the branch and decode (the recorded prefill is still held).
-        peak = _Peak(prefill_ids.device)
+        peak = Peak(prefill_ids.device)
         try:
             cache = model.forward.new_cache(prefill_ids.shape[0], prompt=prefill_ids.shape[1])
-            with _Clock() as pre:
+            with Clock() as pre:
                 if shared is not None:
                     branch(shared, cache, rule)
                     logits = shared.logits
                 else:
                     logits = model(input_ids=prefill_ids, cache=cache, logits_to_keep=1).logits[:, -1]
-            with _Clock() as question_clock:  # the question, as the protocol appends it (part of decode_s)
+            with Clock() as question_clock:  # the question, as the protocol appends it (part of decode_s)
                 logits = finish_prompt(model, cache, logits, question, protocol)
             before = peak.read()
             # A compiled forward scores the answer token by token: its decode graph, no graph for the answer's length.
             likelihood = self._likelihood(cache, logits, answer, evict=protocol == "streaming",
                                           stepwise=g.backend is not None)
             # The likelihood's saved cache state is not part of the configuration's memory: leave it out.
-            peak = _Peak(prefill_ids.device)
-            with _Clock() as dec:
+            peak = Peak(prefill_ids.device)
+            with Clock() as dec:
                 with cache.frozen() if protocol != "streaming" else contextlib.nullcontext():
-                    ids, _ = _greedy(model, cache, logits, max_new, self.eos)
+                    ids, _ = greedy(model, cache, logits, max_new, self.eos)
         finally:
             model.forward.restore()
         self._timed(pre), self._timed(question_clock), self._timed(dec)
@@ -512,5 +344,5 @@ class Runner:
                 "prefill_s": pre.run + (shared_s or 0.0), "branch_s": pre.run if shared is not None else None,
                 "decode_s": question_clock.run + dec.run,
                 "compile_s": pre.compile + question_clock.compile + dec.compile + likelihood.pop("compile_s"),
-                **likelihood, "output_ids": ids, "output_tokens": len(ids), **_kv_bytes(cache),
+                **likelihood, "output_ids": ids, "output_tokens": len(ids), **kv_bytes(cache),
                 "peak_mem_bytes": None if before is None else max(before, peak.read())}

@@ -1,0 +1,143 @@
+"""`fxbudget compare`: check everything, plan, build the samples, load the model only if rows are left to run, run,
+report. A rerun of a finished grid loads nothing and leaves the report as it is."""
+
+from __future__ import annotations
+
+import sys
+
+from . import preflight
+from .preflight import Stages, UsageError
+
+
+def _setup_threads(threads: int | None) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def grid_of(args):
+    """The `Grid` of the compare options (`--task-file` alone runs only the files; `--samples` also caps them)."""
+    from ..harness.grid import Grid
+
+    d = Grid()
+    tasks = args.tasks if args.tasks is not None else ([] if args.task_file else d.tasks)
+    return Grid(tasks=tasks, lengths=args.lengths, rules=args.rules, budgets=args.budgets,
+                samples=d.samples if args.samples is None else args.samples, seed=args.seed,
+                protocols=args.protocol, chunk_size=args.chunk_size,
+                backend=None if args.backend == "none" else args.backend, share_prefill=not args.no_share_prefill,
+                rule_params=preflight.params(args.param), task_files=args.task_file,
+                likelihood=not args.no_likelihood, task_file_samples=args.samples)
+
+
+def cmd_compare(args) -> int:
+    """Run `fxbudget compare` (see the module docstring); returns the exit status."""
+    stages = Stages(from_process_start=args.is_process)
+    if args.ray is None and any(x is not None for x in (args.workers, args.cpus_per_worker, args.gpus_per_worker)):
+        raise UsageError("--workers, --cpus-per-worker and --gpus-per-worker need --ray")
+    preflight.rule_files(args.rule_file)
+    grid = grid_of(args)
+    try:
+        grid.validate()
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+    place = preflight.placement(args, ray=args.ray is not None)
+    source = preflight.model_source(args)
+    if args.ray is not None:
+        runner = _ray_runner(args, grid, source, place)
+    else:
+        from ..harness.runner import Runner
+
+        _setup_threads(args.threads)
+        runner = Runner(None, None, source.name, grid, args.out, shard=args.shard, progress=not args.quiet,
+                        max_new_tokens=args.max_new_tokens)
+    try:
+        plan = runner.plan()
+    except ValueError as e:  # a results file with a line that is not a row (a cut last line is only a warning)
+        raise UsageError(str(e)) from None
+    stages.mark("checks (torch and transformers imports included)")
+    if not plan:
+        print(f"[fxbudget] {source.name}: nothing to run, every row of this grid is in {runner.path.parent}; the "
+              "model is not loaded and the report is left as it is", file=sys.stderr)
+        _tables(args, grid)
+        stages.mark("reading the rows")
+        print(f"[fxbudget] {stages.line()}; Python's exit follows", file=sys.stderr)
+        return 0
+    samples = preflight.samples(grid, preflight.tokenizer(source), plan)
+    stages.mark("tokenizer and samples")
+    if args.ray is None:
+        runner = _load(args, grid, source, place, samples)
+        stages.mark("model load")
+    todo = sum(len(t) for _, t in plan)
+    print(f"[fxbudget] {source.name}: {todo} rows to run on {len(plan)} samples "
+          f"(protocol {','.join(grid.protocols)}, {place.dtype} on {place.device}, "
+          f"prefill {'shared per sample' if grid.shares_prefill else 'per rule'}, "
+          f"backend {grid.backend or 'none (eager kernel)'}); results in {runner.path}", file=sys.stderr)
+    if grid.share_prefill and not grid.shares_prefill:
+        print("[fxbudget] prefill is not shared: it needs one-call prefill (no --chunk-size) on the eager kernel "
+              "(--backend none)", file=sys.stderr)
+    try:
+        runner.run()
+    except RuntimeError as e:  # a Ray cluster too small, unreachable, or a sample that kept losing its worker
+        if args.ray is None:
+            raise
+        raise UsageError(f"--ray: {e}") from None
+    if args.ray is None:
+        stages.split("rows and progress (outside the timed calls)", [
+            ("kernel fingerprints", runner.fingerprint_s), ("compile", runner.compile_s), ("run", runner.run_s)])
+        workers = ""
+    else:
+        stages.split("running the samples", [("Ray start, workers loading the model, fingerprints",
+                                              runner.startup_s)])
+        workers = (f" (worker seconds, summed over {len(runner.workers)} workers in parallel: compile "
+                   f"{runner.compile_s:.1f} s, run {runner.run_s:.1f} s)")
+    from ..harness.report import report
+
+    path = report([args.out], sort=args.sort)
+    _tables(args, grid)
+    print(f"\nreport (paired comparisons per budget): {path}\nplots, summary.csv, paired.csv: {path.parent}")
+    stages.mark("report")
+    print(f"[fxbudget] {stages.line()}{workers}; Python's exit follows", file=sys.stderr)
+    return 0
+
+
+def _load(args, grid, source, place, samples):
+    """Load the model (the samples are already built) and return its `Runner`."""
+    from ..harness.malloc import tune_malloc
+    from ..harness.runner import Runner
+    from ..models import load_model
+
+    if not args.default_malloc:
+        tune_malloc()
+    model, tokenizer, name = load_model(source, device=place.device, dtype=place.dtype)
+    return Runner(model, tokenizer, name, grid, args.out, shard=args.shard, progress=not args.quiet,
+                  max_new_tokens=args.max_new_tokens, samples=samples)
+
+
+def _tables(args, grid) -> None:
+    """Print the accuracy and likelihood tables of the rows in `--out` (of this grid's protocols)."""
+    from ..harness.report import accuracy_table, likelihood_table, load_rows
+
+    rows = [r for r in load_rows([args.out]) if r["protocol"] in grid.protocols]
+    print(f"\naccuracy, protocols side by side (mean [95% interval] (samples); rules by {args.sort}):\n")
+    print(accuracy_table(rows, args.sort, by_setting=True))
+    likelihood = likelihood_table(rows, args.sort, by_setting=True)
+    if likelihood:
+        print("\nanswer log-likelihood per token, rule minus the unmodified model on the same sample (nats; "
+              "mean [95% interval] (samples)):\n")
+        print(likelihood)
+
+
+def _ray_runner(args, grid, source, place):
+    """The driver of a `--ray` run (it does not load the model: the workers do)."""
+    from ..harness.ray_runner import RayMissingError, RayOptions, RayRunner
+
+    options = RayOptions(address=args.ray, workers=args.workers, threads=args.threads,
+                         cpus_per_worker=1.0 if args.cpus_per_worker is None else args.cpus_per_worker,
+                         gpus_per_worker=0.0 if args.gpus_per_worker is None else args.gpus_per_worker)
+    try:
+        return RayRunner(source, grid, args.out, shard=args.shard, progress=not args.quiet,
+                         max_new_tokens=args.max_new_tokens, options=options, tune_malloc=not args.default_malloc,
+                         dtype=place.dtype)
+    except (RayMissingError, ValueError) as e:
+        raise UsageError(str(e)) from None

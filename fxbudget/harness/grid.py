@@ -1,0 +1,177 @@
+"""The comparison grid (what `fxbudget compare` runs) and the row key of each of its results; no torch import.
+
+A grid is rules x budgets x protocols on samples: the generated tasks x context lengths x `samples`, then the lines of
+each user task file (at most `task_file_samples` of each). `Grid.validate` checks everything that can be checked
+without a model (rule names and hyperparameters, protocols, budgets, the task files' lines); the lengths are
+checked against each task's minimum when the samples are built (`runner.build_samples`, tokenizer only).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from fractions import Fraction
+from pathlib import Path
+
+from .tasks import TASKS, load_jsonl
+
+PROTOCOLS = ("query-agnostic", "query-aware", "streaming")
+REFERENCE = "full"  # the unmodified model
+
+
+def budget_fraction(spec: int | str) -> float | None:
+    """The fraction of a relative budget (`"12.5%"` -> 0.125), None for an absolute one (a positive int).
+
+    Raises:
+        ValueError: anything else, or a percentage outside (0, 100].
+    """
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec < 1:
+            raise ValueError(f"an absolute budget must be a positive int, got {spec}")
+        return None
+    if isinstance(spec, str) and spec.endswith("%"):
+        try:
+            pct = Fraction(spec[:-1])
+        except ValueError:
+            pct = None
+        if pct is not None and 0 < pct <= 100:
+            return float(pct / 100)
+    raise ValueError(f"a budget is a positive int (KV entries) or a percentage in (0, 100] such as '12.5%', "
+                     f"got {spec!r}")
+
+
+def resolve_budget(spec: int | str, context_tokens: int) -> int:
+    """The absolute budget of `spec` for a sample whose context has `context_tokens` tokens (floor, at least 1)."""
+    if budget_fraction(spec) is None:
+        return spec
+    return max(1, math.floor(Fraction(spec[:-1]) / 100 * context_tokens))
+
+
+@dataclass
+class Grid:
+    """What to run. `rules` may include "full" (the reference row, no budget); `rule_params` maps a rule name to
+    its hyperparameters; `task_files` are user JSONL files run in addition to the generated `tasks` (which may be
+    empty), at most `task_file_samples` lines of each (None: all); `budgets` are ints (absolute) or percentages of
+    each sample's context such as "12.5%" (one kind per run); `protocols` run in one pass over the samples;
+    `likelihood` adds the answer log-likelihood to every row."""
+
+    tasks: list[str] = field(default_factory=lambda: ["passkey"])
+    lengths: list[int] = field(default_factory=lambda: [2000])
+    rules: list[str] = field(default_factory=lambda: ["full", "streamingllm", "h2o", "snapkv", "tova", "knorm"])
+    budgets: list[int | str] = field(default_factory=lambda: [128, 256, 512, 1024])
+    samples: int = 3
+    seed: int = 0
+    protocols: list[str] = field(default_factory=lambda: ["query-agnostic"])
+    chunk_size: int | None = None
+    backend: str | None = None  # None: fxbudget's eager kernel; or a Dynamo backend ("inductor", ...)
+    share_prefill: bool = True
+    rule_params: dict[str, dict] = field(default_factory=dict)
+    task_files: list[str] = field(default_factory=list)
+    likelihood: bool = True
+    task_file_samples: int | None = None
+
+    def validate(self) -> None:
+        """Check the grid without a model.
+
+        Raises:
+            ValueError: a bad protocol, task, rule, hyperparameter, length, budget, sample count, backend or task
+                file line (naming the file and line); each message says what is valid.
+        """
+        from ..backend import INNER_BACKENDS, kernel_window
+        from ..rules import get
+
+        unknown = [p for p in self.protocols if p not in PROTOCOLS]
+        if unknown or not self.protocols:
+            raise ValueError(f"unknown protocol {', '.join(map(repr, unknown)) or '(none given)'}; the protocols "
+                             f"are {', '.join(PROTOCOLS)}")
+        if len(set(self.protocols)) != len(self.protocols):
+            raise ValueError(f"protocols must be distinct names, got {','.join(self.protocols)}")
+        if not self.tasks and not self.task_files:
+            raise ValueError("nothing to run: give --tasks and/or --task-file")
+        for t in self.tasks:
+            if t not in TASKS:
+                raise ValueError(f"unknown task {t!r}; known tasks: {', '.join(TASKS)}")
+        check_rule_params(self.rules, self.rule_params)
+        windows = {r: kernel_window(get(r, **self.rule_params.get(r, {})))  # get raises, listing the known rules
+                   for r in self.rules if r != REFERENCE}
+        if len(set(windows.values())) > 1:
+            # The window is a parameter of the shared kernel's measure phase: rules compare only at one window.
+            raise ValueError("the rules of one comparison must share one observation window (it is part of the "
+                             "shared kernel), got " + ", ".join(f"{r} {w}" for r, w in windows.items())
+                             + "; run each window as its own comparison (e.g. --param snapkv.window=32)")
+        if self.tasks and (not self.lengths or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                                                   for v in self.lengths)):
+            raise ValueError(f"lengths must be positive ints, got {self.lengths!r}")
+        if not self.budgets:
+            raise ValueError("budgets must not be empty")
+        kinds = {budget_fraction(b) is None for b in self.budgets}  # raises on a malformed budget
+        if len(kinds) > 1:
+            raise ValueError(f"budgets {self.budgets} mix absolute (KV entries) and relative (% of the context) "
+                             "budgets: use one kind per run (`fxbudget report` merges runs)")
+        if self.samples < 1 or (self.task_file_samples is not None and self.task_file_samples < 1):
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.backend is not None and self.backend not in INNER_BACKENDS:
+            raise ValueError(f"backend must be one of {INNER_BACKENDS} or None, got {self.backend!r}")
+        for f in self.task_files:
+            if not Path(f).is_file():
+                raise ValueError(f"task file {f} does not exist")
+            load_jsonl(f)  # every line checked now, before a model loads (raises naming the file and line)
+
+    @property
+    def shares_prefill(self) -> bool:
+        """Whether rules share one prefill per sample (on the eager kernel): it must be a single call."""
+        return self.share_prefill and self.chunk_size is None
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One sample of one task at one length: every configuration of the grid runs on it."""
+
+    task: str
+    length: int | None  # None for user task files
+    index: int
+
+
+def units(grid: Grid) -> list[Unit]:
+    """Every sample of the grid in a fixed order (the order `--shard` splits)."""
+    out = [Unit(t, n, i) for t in grid.tasks for n in grid.lengths for i in range(grid.samples)]
+    for f in grid.task_files:
+        n = len(load_jsonl(f))
+        out += [Unit(str(f), None, i) for i in range(n if grid.task_file_samples is None
+                                                     else min(n, grid.task_file_samples))]
+    return out
+
+
+def configs(grid: Grid) -> list[tuple[str, str, int | str | None]]:
+    """(protocol, rule, budget) triples; the reference row has no budget. A budget is as given (int or "12.5%")."""
+    return [(p, r, None) if r == REFERENCE else (p, r, b) for p in grid.protocols for r in grid.rules
+            for b in ([None] if r == REFERENCE else grid.budgets)]
+
+
+def row_key(model_name: str, grid: Grid, unit: Unit, protocol: str, rule: str, budget: int | str | None) -> str:
+    """What identifies a result: completed keys are skipped when a run resumes."""
+    params = json.dumps(grid.rule_params.get(rule, {}), sort_keys=True)
+    return "|".join(map(str, (model_name, unit.task, unit.length, unit.index, grid.seed, rule, params, budget,
+                              protocol, grid.chunk_size, grid.backend)))
+
+
+
+def check_rule_params(rules: list[str], params: dict[str, dict]) -> None:
+    """Refuse hyperparameters for a rule that is not run, or that the rule does not have (listing the ones it has).
+
+    Raises:
+        ValueError: naming the rule, the field and the valid fields.
+    """
+    from ..rules import _REGISTRY, available
+
+    for rule, values in params.items():
+        if rule not in _REGISTRY:
+            raise ValueError(f"--param {rule}.*: unknown rule {rule!r}; known rules: {', '.join(available())}")
+        if rule not in rules:
+            raise ValueError(f"--param {rule}.*: {rule} is not among the rules run ({', '.join(rules)})")
+        names = [f.name for f in fields(_REGISTRY[rule]) if not f.name.startswith("_")]
+        for name in values:
+            if name not in names:
+                raise ValueError(f"--param {rule}.{name}: {rule} has no hyperparameter {name!r}; its "
+                                 f"hyperparameters: {', '.join(names) or 'none'}")
