@@ -90,7 +90,7 @@ def search(model: nn.Module, tokenizer, model_name: str, config: SearchConfig, o
                     progress=progress, max_new_tokens=config.max_new_tokens)
     runner.run()
     timings["holdout_s"] = time.perf_counter() - t0
-    from .report import load_rows, report
+    from ..report import load_rows, report
 
     report([holdout_dir], sort="likelihood")
     rows = load_rows([holdout_dir])

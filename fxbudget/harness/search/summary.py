@@ -82,7 +82,7 @@ def summary_markdown(res: SearchResult, note: str | None = None, wall_s: float |
         wall_s: the run's wall time, model load included.
         load_start: the load average when the run started (`load_average()`); the one at the end is added here.
     """
-    from .report import accuracy_table, likelihood_table, paired_tables
+    from ..report import accuracy_table, likelihood_table, paired_tables
 
     c, env = res.config, res.environment
     trials = complete_trials(res.study)

@@ -12,7 +12,7 @@ def verdict(rows: list[dict], name: str, metric: str) -> tuple[bool | None, str]
     Returns:
         `(beats, sentence)`; `beats` is None when the metric is missing.
     """
-    from .report import paired
+    from ..report import paired
 
     ranked_by_budget = paired(rows, metric)
     if not ranked_by_budget:
