@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -65,8 +66,9 @@ def run_demo(out: Path, extra: list[str], env: dict[str, str] | None = None) -> 
 
 def run_quick(out: Path) -> dict:
     """README's quick start in a fresh clone of HEAD with an empty model cache, timed; the run's folder is copied
-    to `out` and what the command printed (its `[fxbudget]` lines and its output, not the progress bars) is kept as
-    `out/output.txt`."""
+    to `out` and what the command printed (its `[fxbudget]` lines and its output, not the progress bars; the
+    temporary cache folder shown as `$FXBUDGET_CACHE`) is kept as `out/output.txt`. Records the wall seconds and the
+    CPU seconds the command used (user + system): with one thread, about its wall time on an idle machine."""
     with tempfile.TemporaryDirectory(prefix="fxbudget-quick-") as tmp:
         clone, cache = Path(tmp) / "clone", Path(tmp) / "cache"
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
@@ -74,17 +76,21 @@ def run_quick(out: Path) -> dict:
                               text=True).stdout.strip()
         env = {**os.environ, "PYTHONPATH": str(clone), "FXBUDGET_CACHE": str(cache)}
         load_before, t = load_str(), time.perf_counter()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run([sys.executable, "-m", "fxbudget.cli", *QUICK_ARGS], cwd=clone, env=env,
                               capture_output=True, text=True)
         wall_s = round(time.perf_counter() - t, 1)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu_s = round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1)
         if done.returncode:
             raise SystemExit(f"the quick start failed ({done.returncode}):\n{done.stderr[-3000:]}")
         shutil.copytree(clone / "runs" / "quick", out)
-    notes = [line for chunk in done.stderr.splitlines() for line in chunk.split("\r")
-             if line.startswith("[fxbudget]")]
+    notes = [line.replace(str(cache), "$FXBUDGET_CACHE") for chunk in done.stderr.splitlines()
+             for line in chunk.split("\r") if line.startswith("[fxbudget]")]
     (out / "output.txt").write_text("\n".join(notes) + "\n" + done.stdout)
     return {**env_info("cpu"), "command": "OMP_NUM_THREADS=1 fxbudget " + " ".join(QUICK_ARGS),
-            "clone": head, "fxbudget_cache": "empty", "wall_s": wall_s, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+            "clone": head, "fxbudget_cache": "empty", "wall_s": wall_s, "cpu_s": cpu_s,
+            "date": time.strftime("%Y-%m-%d %H:%M %Z"),
             "load_before": load_before, "load_after": load_str()}
 
 
@@ -130,6 +136,7 @@ def quick_regions() -> dict[str, str]:
     return {
         "command": f"```\nfxbudget {command}\n```",
         "time": _minutes(wall["wall_s"]),
+        "cpu": _minutes(wall["cpu_s"]),
         "machine": f"measured {wall['date']} in a fresh clone (commit {wall['clone']}) with an empty "
                    f"`FXBUDGET_CACHE`, load average {wall['load_before']} before and {wall['load_after']} after on "
                    f"this 2-core machine ({rel}/wall.json)",
@@ -178,7 +185,7 @@ def fill_readme(paths: list[Path] | None = None) -> None:
         _FILLING = path
         text = original = path.read_text()
         for name, body in regions().items():
-            inline = name in ("time", "rows")
+            inline = name in ("time", "rows", "cpu", "machine")
             tag = f"{PREFIX} {name}"
             new = f"<!-- {tag} -->{body}<!-- /{tag} -->" if inline else f"<!-- {tag} -->\n{body}\n<!-- /{tag} -->"
             # The region with its old content, or a bare marker (optionally with a note after a colon) the first time.
@@ -192,6 +199,12 @@ def fill_readme(paths: list[Path] | None = None) -> None:
         raise SystemExit(f"no '<!-- {PREFIX} {missing[0]} -->' marker in README.md or docs/*.md")
 
 
+def use_grid(name: str) -> None:
+    """Make `name` the grid that `regions` and `fill_readme` work on."""
+    global DOCS, PREFIX
+    DOCS, PREFIX = GRIDS[name][1], name
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--grid", choices=sorted(GRIDS), default="demo")
@@ -200,9 +213,8 @@ def main() -> int:
     p.add_argument("--rereport", action="store_true", help="rewrite the grid's report, CSV files and plots from its "
                    "committed results.jsonl with today's report code (untimed: wall.json is kept), then fill")
     a = p.parse_args()
-    global DOCS, PREFIX
-    extra, DOCS = GRIDS[a.grid]
-    PREFIX = a.grid
+    extra = GRIDS[a.grid][0]
+    use_grid(a.grid)
     if a.publish_only:
         publish(Path(a.publish_only), None)
     elif a.rereport:
