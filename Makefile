@@ -14,7 +14,7 @@ export OMP_NUM_THREADS ?= 1
 TEST_WORKERS ?= 2
 PYTEST := -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: demo test test-newest install clean
+.PHONY: demo test test-newest install clean docs
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -53,5 +53,10 @@ test-newest:
 		transformers.__version__, 'torch', torch.__version__)"
 	$(NEWEST_BIN)/python $(PYTEST) -m newest
 
+# The documentation site into build/site/, in the test venv: `mkdocs build --strict` fails on a broken link or page.
+docs: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,test,docs]"
+	$(BIN)/python -m mkdocs build --strict --site-dir build/site
+
 clean:
-	rm -rf $(VENV) $(NEWEST_VENV) *.egg-info
+	rm -rf $(VENV) $(NEWEST_VENV) *.egg-info build/site

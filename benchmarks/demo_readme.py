@@ -1,13 +1,18 @@
-"""Run a README grid from scratch, keep its report in the repository, and fill README's section from it.
+"""Run a documented grid from scratch, keep its report in the repository, and fill the README's and the docs' sections
+from it.
 
     OMP_NUM_THREADS=1 python benchmarks/demo_readme.py                 # make demo's grid -> docs/demo/
     OMP_NUM_THREADS=1 python benchmarks/demo_readme.py --grid 8k       # the 8K grid (issue 9) -> docs/compare_8k/
-    python benchmarks/demo_readme.py --publish-only runs/demo          # publish an existing run (untimed), fill README
+    OMP_NUM_THREADS=1 python benchmarks/demo_readme.py --grid quick    # README's quick start -> docs/quickstart/
+    python benchmarks/demo_readme.py --publish-only runs/demo          # publish an existing run (untimed), fill
+    python benchmarks/demo_readme.py --fill-only [--grid G]            # only rewrite the regions from the files
 
-README holds marked regions (`<!-- PREFIX NAME -->` ... `<!-- /PREFIX NAME -->`, PREFIX `demo` or `8k`); everything
-between the markers is rewritten from the committed files of that grid (report.md, summary.csv, paired.csv,
-results.jsonl, run.json, the plots, and wall.json: the command, date, machine, load and wall seconds of the timed
-run). Nothing in those regions is typed by hand.
+README.md and docs/*.md hold marked regions (`<!-- PREFIX NAME -->` ... `<!-- /PREFIX NAME -->`, PREFIX the grid
+name); everything between the markers is rewritten from the committed files of that grid (report.md, summary.csv,
+paired.csv, results.jsonl, run.json, the plots, and wall.json: the command, date, machine, load and wall seconds of
+the timed run; for the quick start also output.txt, what the command printed). Nothing in those regions is typed by
+hand. The quick start runs as a new user's first command would: in a fresh `git clone` of this checkout's HEAD, with
+an empty FXBUDGET_CACHE (so the embedded model is assembled and converted inside the timed run).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -35,7 +41,13 @@ GRIDS = {
     # minutes on this CPU, and each protocol and the unmodified model prefill apart).
     "8k": (["--lengths", "8000", "--rules", "full,streamingllm,snapkv,tova,knorm", "--budgets", "1024",
             "--samples", "1"], ROOT / "docs" / "compare_8k"),
+    # README's quick start: `fxbudget compare QUICK_ARGS`, sized to take about 3 minutes on an idle 2-core CPU,
+    # first model load included (two samples: the query-aware protocol separates the rules already).
+    "quick": ([], ROOT / "docs" / "quickstart"),
 }
+QUICK_ARGS = ["compare", "--tasks", "passkey", "--lengths", "1000", "--rules", "full,streamingllm,snapkv,tova",
+              "--budgets", "128", "--samples", "2", "--protocol", "query-aware", "--out", "runs/quick"]
+FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DOCS, PREFIX = GRIDS["demo"][1], "demo"
 KEEP = ("report.md", "summary.csv", "paired.csv", "results.jsonl", "run.json", "accuracy_vs_budget.png",
         "likelihood_vs_budget.png")
@@ -52,10 +64,40 @@ def run_demo(out: Path, extra: list[str], env: dict[str, str] | None = None) -> 
             "load_before": load_before, "load_after": load_str()}
 
 
+def run_quick(out: Path) -> dict:
+    """README's quick start in a fresh clone of HEAD with an empty model cache, timed; the run's folder is copied
+    to `out` and what the command printed (its `[fxbudget]` lines and its output, not the progress bars; the
+    temporary cache folder shown as `$FXBUDGET_CACHE`) is kept as `out/output.txt`. Records the wall seconds and the
+    CPU seconds the command used (user + system): with one thread, about its wall time on an idle machine."""
+    with tempfile.TemporaryDirectory(prefix="fxbudget-quick-") as tmp:
+        clone, cache = Path(tmp) / "clone", Path(tmp) / "cache"
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone, check=True, capture_output=True,
+                              text=True).stdout.strip()
+        env = {**os.environ, "PYTHONPATH": str(clone), "FXBUDGET_CACHE": str(cache)}
+        load_before, t = load_str(), time.perf_counter()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        done = subprocess.run([sys.executable, "-m", "fxbudget.cli", *QUICK_ARGS], cwd=clone, env=env,
+                              capture_output=True, text=True)
+        wall_s = round(time.perf_counter() - t, 1)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu_s = round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1)
+        if done.returncode:
+            raise SystemExit(f"the quick start failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        shutil.copytree(clone / "runs" / "quick", out)
+    notes = [line.replace(str(cache), "$FXBUDGET_CACHE") for chunk in done.stderr.splitlines()
+             for line in chunk.split("\r") if line.startswith("[fxbudget]")]
+    (out / "output.txt").write_text("\n".join(notes) + "\n" + done.stdout)
+    return {**env_info("cpu"), "command": "OMP_NUM_THREADS=1 fxbudget " + " ".join(QUICK_ARGS),
+            "clone": head, "fxbudget_cache": "empty", "wall_s": wall_s, "cpu_s": cpu_s,
+            "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+            "load_before": load_before, "load_after": load_str()}
+
+
 def publish(run_dir: Path, wall: dict | None) -> None:
     """Copy the run's report, rows and plots (and the timing) into DOCS."""
     DOCS.mkdir(parents=True, exist_ok=True)
-    for name in KEEP:
+    for name in KEEP + ("output.txt",) + tuple(p.name for p in sorted(run_dir.glob("heatmap_*.png"))):
         if (run_dir / name).exists():
             shutil.copy2(run_dir / name, DOCS / name)
     if wall is not None:
@@ -81,59 +123,110 @@ def _cost(report: str) -> str:
     return "\n".join(out).strip()
 
 
+def _minutes(seconds: float) -> str:
+    minutes, seconds = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{seconds:02d}s"
+
+
+def quick_regions() -> dict[str, str]:
+    """The quick start's regions: its command, wall time and load, and what it printed."""
+    wall = json.loads((DOCS / "wall.json").read_text())
+    rel = DOCS.relative_to(ROOT).as_posix()
+    command = " ".join(QUICK_ARGS).replace(" --rules", " \\\n    --rules")
+    return {
+        "command": f"```\nfxbudget {command}\n```",
+        "time": _minutes(wall["wall_s"]),
+        "cpu": _minutes(wall["cpu_s"]),
+        "machine": f"measured {wall['date']} in a fresh clone (commit {wall['clone']}) with an empty "
+                   f"`FXBUDGET_CACHE`, load average {wall['load_before']} before and {wall['load_after']} after on "
+                   f"this 2-core machine ({rel}/wall.json)",
+        "output": "```\n" + (DOCS / "output.txt").read_text().strip() + "\n```",
+    }
+
+
 def regions() -> dict[str, str]:
-    """README region name -> its text, from the files in DOCS."""
+    """Region name -> its text, from the files in DOCS."""
+    if PREFIX == "quick":
+        return quick_regions()
     report = (DOCS / "report.md").read_text()
     wall = json.loads((DOCS / "wall.json").read_text())
     rows = sum(1 for line in (DOCS / "results.jsonl").open() if line.strip())
     rel = DOCS.relative_to(ROOT).as_posix()
-    minutes, seconds = divmod(int(round(wall["wall_s"])), 60)
     return {
-        "time": f"{minutes}m{seconds:02d}s",
+        "time": _minutes(wall["wall_s"]),
         "rows": str(rows),
         "table": _section(report, "accuracy"),
         "likelihood table": _section(report, "answer log-likelihood"),
-        "plots": f"![accuracy vs budget]({rel}/accuracy_vs_budget.png)\n"
-                 f"![likelihood vs budget]({rel}/likelihood_vs_budget.png)",
+        "plots": f"![accuracy vs budget]({_link(rel)}/accuracy_vs_budget.png)\n"
+                 f"![likelihood vs budget]({_link(rel)}/likelihood_vs_budget.png)",
         "paired comparisons": "The paired comparisons per budget, per protocol and task, the cost and the machine: "
-                              f"[{rel}/report.md]({rel}/report.md) (regenerated by `python benchmarks/demo_readme.py"
+                              f"[{rel}/report.md]({_link(rel)}/report.md) (regenerated by "
+                              "`python benchmarks/demo_readme.py"
                               f"{'' if PREFIX == 'demo' else ' --grid ' + PREFIX}`; measured {wall['date']}, load "
                               f"{wall['load_before']} before the run, {wall['load_after']} after).",
         "cost": _cost(report),
     }
 
 
-def fill_readme(path: Path = ROOT / "README.md") -> None:
-    text = path.read_text()
-    for name, body in regions().items():
-        inline = name in ("time", "rows")
-        tag = f"{PREFIX} {name}"
-        new = f"<!-- {tag} -->{body}<!-- /{tag} -->" if inline else f"<!-- {tag} -->\n{body}\n<!-- /{tag} -->"
-        # The region with its old content, or a bare marker (optionally with a note after a colon) the first time.
-        pattern = rf"<!-- {re.escape(tag)}(?::[^>]*)? -->(?:.*?<!-- /{re.escape(tag)} -->)?"
-        text, n = re.subn(pattern, lambda _: new, text, flags=re.S)
-        if n == 0 and PREFIX == "demo":  # the demo's regions are all required; another grid's may be left out
-            raise SystemExit(f"README.md has no '<!-- {tag} -->' marker")
-    path.write_text(text)
+def _link(rel: str) -> str:
+    """`rel` (a path from the repository root) as a link from the file being filled: the docs pages live in docs/."""
+    return rel.removeprefix("docs/") if _FILLING.parent.name == "docs" else rel
+
+
+_FILLING = ROOT / "README.md"
+
+
+def fill_readme(paths: list[Path] | None = None) -> None:
+    """Rewrite this grid's regions in README.md and docs/*.md; every region of the demo and the quick start must
+    be found in one of them (another grid's may be left out)."""
+    global _FILLING
+    found: set[str] = set()
+    for path in paths or FILES:
+        _FILLING = path
+        text = original = path.read_text()
+        for name, body in regions().items():
+            inline = name in ("time", "rows", "cpu", "machine")
+            tag = f"{PREFIX} {name}"
+            new = f"<!-- {tag} -->{body}<!-- /{tag} -->" if inline else f"<!-- {tag} -->\n{body}\n<!-- /{tag} -->"
+            # The region with its old content, or a bare marker (optionally with a note after a colon) the first time.
+            pattern = rf"<!-- {re.escape(tag)}(?::[^>]*)? -->(?:.*?<!-- /{re.escape(tag)} -->)?"
+            text, n = re.subn(pattern, lambda _: new, text, flags=re.S)
+            found |= {name} if n else set()
+        if text != original:
+            path.write_text(text)
+    missing = sorted(set(regions()) - found)
+    if missing and PREFIX in ("demo", "quick"):
+        raise SystemExit(f"no '<!-- {PREFIX} {missing[0]} -->' marker in README.md or docs/*.md")
+
+
+def use_grid(name: str) -> None:
+    """Make `name` the grid that `regions` and `fill_readme` work on."""
+    global DOCS, PREFIX
+    DOCS, PREFIX = GRIDS[name][1], name
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--grid", choices=sorted(GRIDS), default="demo")
     p.add_argument("--publish-only", metavar="RUN_DIR", help="publish this finished run (no timing) and fill README")
-    p.add_argument("--fill-only", action="store_true", help="only rewrite README from docs/demo/")
+    p.add_argument("--fill-only", action="store_true", help="only rewrite the regions from the grid's files")
+    p.add_argument("--rereport", action="store_true", help="rewrite the grid's report, CSV files and plots from its "
+                   "committed results.jsonl with today's report code (untimed: wall.json is kept), then fill")
     a = p.parse_args()
-    global DOCS, PREFIX
-    extra, DOCS = GRIDS[a.grid]
-    PREFIX = a.grid
+    extra = GRIDS[a.grid][0]
+    use_grid(a.grid)
     if a.publish_only:
         publish(Path(a.publish_only), None)
+    elif a.rereport:
+        from fxbudget.harness.report import report
+
+        report([DOCS])
     elif not a.fill_only:
         with tempfile.TemporaryDirectory(prefix="fxbudget-demo-") as d:
-            wall = run_demo(Path(d) / a.grid, extra)
+            wall = run_quick(Path(d) / a.grid) if a.grid == "quick" else run_demo(Path(d) / a.grid, extra)
             publish(Path(d) / a.grid, wall)
     fill_readme()
-    print(f"{DOCS.relative_to(ROOT)}/ and README.md updated from {DOCS / 'report.md'}")
+    print(f"{DOCS.relative_to(ROOT)}/, README.md and docs/*.md updated from {DOCS}")
     return 0
 
 

@@ -1,5 +1,6 @@
 """The report's figures: accuracy and answer likelihood against the budget with 95% intervals (one panel per task,
-one row of panels per protocol), and a needle-depth heatmap per rule."""
+one row of panels per protocol), and a needle-depth heatmap per rule. Each figure is built by a function that
+returns it (tests read its axes) and saved by `plot`."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import math
 from pathlib import Path
 from statistics import mean
 
-from .report import (budget_label, budgets, logprob_delta, metric_values, reference_logprobs, rule_order, setting,
-                     settings)
+from .grouping import (budget_label, budgets, logprob_delta, metric_values, reference_logprobs, rule_order, setting,
+                       settings)
 from .runner import REFERENCE
 from .stats import mean_interval
 from .tasks import NEEDLE_TASKS
+
+UNBOUNDED_NOTE = "no bar: interval unbounded (<= 5 paired samples)"
+X_MARGIN = 2 ** 0.5  # half a doubling of budget on each side: a lone budget sits mid-panel, not on its edge
 
 
 def plot(rows: list[dict], out_dir: Path, sort: str = "accuracy") -> list[str]:
@@ -29,23 +33,37 @@ def plot(rows: list[dict], out_dir: Path, sort: str = "accuracy") -> list[str]:
     for relative in kinds:
         rs = [r for r in rows if r["budget"] is None or (r.get("budget_fraction") is not None) == relative]
         suffix = "_relative" if relative and len(kinds) > 1 else ""
-        written.append(_metric_figure(rs, "accuracy", out_dir / f"accuracy_vs_budget{suffix}.png", relative, sort))
-        if metric_values(rs, "likelihood"):
-            written.append(_metric_figure(rs, "likelihood", out_dir / f"likelihood_vs_budget{suffix}.png", relative,
-                                          sort))
+        metrics = ["accuracy"] + (["likelihood"] if metric_values(rs, "likelihood") else [])
+        for metric in metrics:
+            name = f"{metric}_vs_budget{suffix}.png"
+            written.append(_save(metric_figure(rs, metric, relative, sort), out_dir / name))
     needle = [r for r in budgeted if r["task"] in NEEDLE_TASKS and r.get("depth") is not None]
     for rule in rule_order(needle, sort):
-        written.append(_heatmap([r for r in needle if r["rule"] == rule], rule, out_dir))
+        written.append(_save(heatmap_figure([r for r in needle if r["rule"] == rule], rule),
+                             out_dir / f"heatmap_{rule}.png"))
     return written
+
+
+def _save(fig, path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
 
 
 def _x(label) -> float:
     return float(label[:-1]) if isinstance(label, str) else float(label)
 
 
-def _metric_figure(rows, metric: str, path: Path, relative: bool, sort: str) -> str:
-    """Mean and 95% interval of `metric` per rule against the budget; rows of panels = settings, columns = all
-    tasks pooled (when there are several: the most samples, so the tightest intervals) then each task."""
+def metric_figure(rows, metric: str, relative: bool, sort: str = "accuracy"):
+    """Mean and 95% interval of `metric` ("accuracy" or "likelihood") per rule against the budget; rows of panels =
+    settings, columns = all tasks pooled (when there are several: the most samples, so the tightest intervals) then
+    each task. A panel whose intervals are unbounded says so in its title instead of drawing no bar silently.
+
+    Returns:
+        The matplotlib figure (not saved).
+    """
     import matplotlib.pyplot as plt
 
     refs = reference_logprobs(rows)
@@ -58,6 +76,7 @@ def _metric_figure(rows, metric: str, path: Path, relative: bool, sort: str) -> 
     for row_axes, s in zip(axes, panels):
         for ax, task in zip(row_axes, tasks):
             trs = [r for r in rows if setting(r) == s and task in ("all tasks", r["task"])]
+            unbounded = False
             for rule in rule_order(trs, sort):
                 rs = [r for r in trs if r["rule"] == rule]
                 if rule == REFERENCE:
@@ -79,7 +98,7 @@ def _metric_figure(rows, metric: str, path: Path, relative: bool, sort: str) -> 
                         if not values:
                             continue
                         iv = mean_interval(values, paired=delta)
-                    # An unbounded interval (five samples or fewer) gets no bar rather than an infinite one.
+                    unbounded |= not (math.isfinite(iv.lo) and math.isfinite(iv.hi))
                     xs.append(_x(b) * shift), ys.append(iv.mean)
                     lo.append(_bar(iv.mean - iv.lo)), hi.append(_bar(iv.hi - iv.mean))
                 bars = ax.errorbar(xs, ys, yerr=[lo, hi], color=f"C{i % 10}", marker="os^Dv<>PX*"[i % 10],
@@ -89,9 +108,11 @@ def _metric_figure(rows, metric: str, path: Path, relative: bool, sort: str) -> 
                     line.set_alpha(0.35)
             labels = budgets(trs)
             ax.set_xscale("log", base=2)
-            ax.set_xticks([_x(b) for b in labels], [str(b) for b in labels])
+            if labels:
+                ax.set_xlim(min(map(_x, labels)) / X_MARGIN, max(map(_x, labels)) * X_MARGIN)
+                ax.set_xticks([_x(b) for b in labels], [str(b) for b in labels])
             ax.minorticks_off()
-            ax.set_title(f"{task} — {s}", fontsize=9)
+            ax.set_title(f"{task} — {s}" + (f"\n{UNBOUNDED_NOTE}" if unbounded else ""), fontsize=9)
             ax.set_xlabel("budget (% of the context tokens)" if relative else "budget (KV entries per layer and head)")
             if metric == "accuracy":
                 ax.set_ylabel("accuracy (95% interval)")
@@ -106,44 +127,49 @@ def _metric_figure(rows, metric: str, path: Path, relative: bool, sort: str) -> 
     order = sorted(range(len(names)), key=lambda k: rules.index(names[k]) if names[k] in rules else -1)
     fig.legend([handles[k] for k in order], [names[k] for k in order], fontsize=8, loc="center right")
     fig.tight_layout(rect=(0, 0, 1 - 1.3 / fig.get_figwidth(), 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return fig
 
 
 def _bar(length: float) -> float:
+    # An unbounded interval (five samples or fewer) gets no bar rather than an infinite one; the title says so.
     return length if math.isfinite(length) else math.nan
 
 
-def _heatmap(rs, rule: str, out_dir: Path) -> str:
-    """Mean score per needle depth x context length; rows of panels = settings, columns = budgets."""
+def heatmap_figure(rs, rule: str):
+    """Mean score per needle depth x context length, each cell labelled with its mean and samples; rows of panels =
+    settings, columns = budgets, every title naming the rule, budget and setting (protocol).
+
+    Returns:
+        The matplotlib figure (not saved).
+    """
     import matplotlib.pyplot as plt
 
     panels, labels = settings(rs), budgets(rs)
     lengths = sorted({r["length"] for r in rs})
     depths = sorted({round(r["depth"], 1) for r in rs})
+    # At least ~2.4 in per panel and 0.5 in per depth: one length x one depth stays a labelled square, not a sliver.
     fig, axes = plt.subplots(len(panels), len(labels),
-                             figsize=(1.8 + 1.3 * len(lengths) * len(labels), 0.4 + 2.8 * len(panels)),
+                             figsize=(1.8 + max(2.4, 1.3 * len(lengths)) * len(labels),
+                                      1.2 + max(2.0, 0.5 * len(depths)) * len(panels)),
                              squeeze=False, sharey=True, constrained_layout=True)
     for row_axes, s in zip(axes, panels):
         for ax, b in zip(row_axes, labels):
             cell = [r for r in rs if setting(r) == s and budget_label(r) == b]
-            grid = [[_mean([r for r in cell if r["length"] == n and round(r["depth"], 1) == d]) for n in lengths]
-                    for d in depths]
+            groups = [[[r for r in cell if r["length"] == n and round(r["depth"], 1) == d] for n in lengths]
+                      for d in depths]
+            grid = [[_mean(g) for g in line] for line in groups]
             im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-            for y, line in enumerate(grid):
-                for x, v in enumerate(line):
-                    ax.text(x, y, "" if v != v else f"{v:.2f}", ha="center", va="center", fontsize=8)
+            for y, line in enumerate(groups):
+                for x, g in enumerate(line):
+                    ax.text(x, y, f"{_mean(g):.2f}\n(n={len(g)})" if g else "", ha="center", va="center",
+                            fontsize=8)
             ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
             ax.set_yticks(range(len(depths)), [f"{d:.1f}" for d in depths])
-            ax.set_xlabel("context tokens")
-            ax.set_title(f"{rule}, B={b}" + (f"\n{s}" if len(panels) > 1 else ""), fontsize=9)
+            ax.set_xlabel("context length (target tokens)")
+            ax.set_title(f"{rule}, B={b}\n{s}", fontsize=9)
         row_axes[0].set_ylabel("needle depth")
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy")
-    name = f"heatmap_{rule}.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    return name
+    return fig
 
 
 def _mean(rs) -> float:

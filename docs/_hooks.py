@@ -1,0 +1,27 @@
+"""mkdocs hook: the benchmark results (`benchmarks/`) become part of the site, so the pages link to them as GitHub
+does (`../benchmarks/results/x.md` from `docs/`) and `mkdocs build --strict` checks those links like any other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mkdocs.structure.files import File
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = "benchmarks"
+
+
+def on_files(files, config):
+    """Add every file under `benchmarks/` (results, their analyses and data) at `benchmarks/...` in the site."""
+    for path in sorted((ROOT / SHARED).rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            files.append(File(path.relative_to(ROOT).as_posix(), src_dir=str(ROOT), dest_dir=config["site_dir"],
+                              use_directory_urls=config["use_directory_urls"]))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    """In a page of `docs/`, `../benchmarks/` is `benchmarks/` of the site (the folder added by `on_files`)."""
+    if "/" not in page.file.src_uri:
+        markdown = markdown.replace(f"](../{SHARED}/", f"]({SHARED}/")
+    return markdown
