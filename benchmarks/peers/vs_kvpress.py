@@ -306,7 +306,10 @@ def main() -> int:
     p.add_argument("--timing-only", action="store_true", help="only the --timing-rounds rows (no main table)")
     p.add_argument("--peer-python", default=str(PEER_PYTHON))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_kvpress.md"))
-    p.add_argument("--json-out", default=None, help="also write the raw results here")
+    p.add_argument("--json-out", default=None, help="also write the raw results here (rewritten after every row)")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
+                   help="run nothing: write the report from the raw results of earlier runs with the same prompt "
+                        "options (a later file's row replaces an earlier one's for the same stack, rule and mode)")
     p.add_argument("--worker", choices=["kvpress", "fxbudget"], help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -363,6 +366,12 @@ def main() -> int:
         for r in rules:  # alternate which stack goes first
             pair = [("kvpress", r, None, "timing"), ("fxbudget", r, args.chunk, "timing")]
             plan += pair if i % 2 == 0 else pair[::-1]
+    if args.from_json:
+        plan, merged = [], {}
+        for f in args.from_json:
+            for r_ in json.loads(Path(f).read_text())["runs"]:
+                merged[(r_["side"], r_["rule"], r_["mode"], r_.get("timing", False))] = r_
+        runs = [r_ for r_ in merged.values() if r_["rule"] in rules or r_["rule"] == "full"]
     for side, rule, chunk, *tag in plan:
         print(f"[{time.strftime('%H:%M:%S')}] {side} {rule} {'chunk ' + str(chunk) if chunk else ''} {tag} "
               f"(load {load_str()})", flush=True)
@@ -377,8 +386,8 @@ def main() -> int:
         print("   ", [(round(x["total_s"], 1), x["answer"], x["ok"]) for x in res["results"]],
               f"peak +{res['peak_rss_delta_mb']:.0f} MB", flush=True)
         runs.append(res)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": runs}))
+        if args.json_out:  # after every row: a long run interrupted keeps what it measured
+            Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": runs}))
 
     # ---- report
     timing_runs = [r for r in runs if r.get("timing")]
