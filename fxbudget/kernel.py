@@ -34,7 +34,7 @@ DEFAULT_BLOCK = None
 # Names of the tensors `measure` returns after the attention output and the totals: the `Signals` tensor fields.
 SIGNAL_NAMES = (
     "attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "queries", "k_slots", "k_new",
-    "new_pos", "inv_freq",
+    "new_pos", "inv_freq", "v_slots", "v_new",
 )
 # The computed signals whose per-call totals are stored (`BudgetLayer.totals`, `[batch, kv_heads, 8]`). Storing them
 # makes every signal a live value for every rule: dead-code elimination cannot give one rule a cheaper kernel.
@@ -96,7 +96,7 @@ def measure(
     value_norm = torch.cat([norms[..., 1].to(acc), torch.linalg.vector_norm(v_new, dim=-1, dtype=acc)], dim=-1)
     totals = signal_totals((attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos), acc)
     return (out, totals, attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, queries, k_slots, k_new,
-            new_pos, inv_freq)
+            new_pos, inv_freq, v_slots, v_new)
 
 
 class _Block:

@@ -12,7 +12,7 @@ from fxbudget.rules.weighted import WEIGHTS, Weighted, builtin_points
 from conftest import tiny_model
 
 MIXED = dict(w_attn=0.3, w_window_attn=-0.2, w_last_attn=0.5, w_acc_attn=0.1, w_key_norm=-0.7, w_value_norm=0.4,
-             w_recency=0.6, n_sink=2, n_recent=5, pool=3)
+             w_recency=0.6, w_mean_attn=0.2, w_key_diff=-0.3, n_sink=2, n_recent=5, pool=3)
 
 
 def _kept(model, ids, rule, budget, **params):
@@ -54,9 +54,10 @@ def _signals(c_valid: int, c_empty: int, seed: int = 0, garbage: float = 0.0) ->
     pos = torch.cat([torch.full((b, h, c_empty), -1), torch.arange(n).expand(b, h, n)], dim=-1)
     return Signals(**att, key_norm=per(torch.rand(b, h, n, generator=g) * 3),
                    value_norm=per(torch.rand(b, h, n, generator=g)), pos=pos,
-                   queries=torch.zeros(b, h, 2 * n, d), k_slots=torch.zeros(b, h, c_empty, d),
-                   k_new=torch.zeros(b, h, n, d), new_pos=torch.arange(n).view(1, n), inv_freq=torch.ones(d // 2),
-                   budget=8, window=4)
+                   queries=torch.zeros(b, h, 2 * n, d), k_slots=torch.full((b, h, c_empty, d), garbage),
+                   k_new=torch.randn(b, h, n, d, generator=g), new_pos=torch.arange(n).view(1, n),
+                   inv_freq=torch.ones(d // 2), v_slots=torch.full((b, h, c_empty, d), garbage),
+                   v_new=torch.randn(b, h, n, d, generator=g), budget=8, window=4)
 
 
 @pytest.mark.parametrize("garbage", [0.0, 1e6])

@@ -17,8 +17,9 @@ model (eager kernel, `backend=None`), question and answer inside `cache.frozen()
 kvpress takes a ratio: it keeps `int(L * (1 - ratio))` of an L-token context, so the driver passes
 `ratio = 1 - (B + 0.5) / L` (exactly B kept; `1 - B/L` can round to B - 1) and checks the count.
 
-Faithfulness: the kept token positions after the context, per layer and KV head. kvpress: the press's `score` is
-wrapped to record each layer's scores, and the same `scores.topk(n_kept)` the press runs gives its kept indices.
+Faithfulness: the kept token positions after the context, per layer and KV head. kvpress: the press's `compress` is
+wrapped, and each kept key row is matched (exact equality) to the context row it was gathered from, so presses that
+do not keep a plain top-k of one score (ChunkKVPress keeps whole chunks) are measured by what they really keep.
 fxbudget: `cache.positions(layer)`. fxbudget runs each rule twice: one-shot prefill (the context in one call, so
 eviction happens once after the whole context, as in kvpress: the semantics coincide) and chunked prefill
 (`--chunk`; evicts as it goes, bounded memory: the configuration the memory goal is about).
@@ -44,7 +45,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 PEER_PYTHON = HERE / ".venv-kvpress" / "bin" / "python"
 
-# Rule parameters matched across the stacks (fxbudget name -> (fxbudget params, kvpress press class, press params)).
+# Rule parameters matched across the stacks (row name -> (fxbudget params, kvpress press class, press params)). A row
+# name `rule@variant` runs fxbudget's `rule` with other parameters than its defaults.
 RULES = {
     # kvpress SnapKVPress defaults: window 64, avg pool 5; fxbudget's own defaults are window 32, max pool 7.
     "snapkv": ({"window": 64, "kernel": 5, "pooling": "avg"}, "SnapKVPress", {"window_size": 64, "kernel_size": 5}),
@@ -52,7 +54,25 @@ RULES = {
     "streamingllm": ({"n_sink": 4}, "StreamingLLMPress", {"n_sink": 4}),
     # kvpress TOVAPress averages the last query's attention over all heads of the layer: share_heads=True.
     "tova": ({"share_heads": True}, "TOVAPress", {}),
+    "keydiff": ({}, "KeyDiffPress", {}),
+    "observed_attention": ({}, "ObservedAttentionPress", {}),  # kvpress needs the eager attention (PEER_EAGER)
+    # ChunkKVPress wraps a ScorerPress (here SnapKVPress at its defaults), which takes the compression ratio.
+    "chunkkv": ({"window": 64, "kernel": 5, "chunk_length": 20}, "ChunkKVPress", {"chunk_length": 20}),
+    "lagkv": ({}, "LagKVPress", {}),
+    "cur": ({}, "CURPress", {}),
+    # kvpress draws an unseeded Gaussian sketch per call (48 columns by default), fxbudget a fixed seeded one: the
+    # default rows compare two draws; with 64 columns (the head dimension) the leverage does not depend on the sketch.
+    "leverage": ({}, "LeverageScorePress", {}),
+    "leverage@64": ({"sketch_dimension": 64}, "LeverageScorePress", {"sketch_dimension": 64}),
+    "compactor": ({}, "CompactorPress", {}),
+    "compactor@64": ({"sketch_dimension": 64}, "CompactorPress", {"sketch_dimension": 64}),
 }
+PEER_EAGER = {"observed_attention"}  # presses that read the attention weights: the peer model runs eager attention
+
+
+def fx_rule(row: str) -> str:
+    """The fxbudget rule of a row name (`leverage@64` -> `leverage`)."""
+    return row.split("@")[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -119,27 +139,37 @@ def _worker_kvpress(job: dict) -> dict:
 
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)
+    rule, budget = job["rule"], job["budget"]
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
+                                                 attn_implementation="eager" if rule in PEER_EAGER else "sdpa").eval()
     tok = AutoTokenizer.from_pretrained(job["model_dir"])
     pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tok, device="cpu")
-    rule, budget = job["rule"], job["budget"]
-    recorded: dict[int, torch.Tensor] = {}
+    recorded: dict[int, list] = {}
 
     def make_press(L: int, budget: int):
         if rule == "full":
             return None, L
         _, cls, params = RULES[rule]
         ratio = 1 - (budget + 0.5) / L
-        press = getattr(kvpress, cls)(compression_ratio=ratio, **params)
-        orig = press.score
+        if cls == "ChunkKVPress":
+            press = kvpress.ChunkKVPress(press=kvpress.SnapKVPress(compression_ratio=ratio), **params)
+        else:
+            press = getattr(kvpress, cls)(compression_ratio=ratio, **params)
+        orig = press.compress
 
-        def score(module, *a, **k):  # record each layer's scores; the press then runs topk on the same tensor
-            s = orig(module, *a, **k)
-            recorded[module.layer_idx] = s.detach().clone()
-            return s
+        def compress(module, hidden_states, keys, values, *a, **k):
+            # Record which context positions each layer kept: every kept key row is one of the input rows (pruning
+            # gathers rows), found by exact equality, so this holds for presses that do not rank by one score.
+            kept_k, kept_v = orig(module, hidden_states, keys, values, *a, **k)
+            same = (kept_k[0].unsqueeze(2) == keys[0].unsqueeze(1)).all(-1)  # [heads, kept, L]
+            assert bool(same.any(-1).all()), "a kept key matches no input key"
+            recorded[module.layer_idx] = sorted_rows(same.to(torch.int8).argmax(-1))
+            return kept_k, kept_v
 
-        press.score = score
+        def sorted_rows(idx):
+            return [sorted(set(row)) for row in idx.tolist()]
+
+        press.compress = compress
         return press, compute_n_kept(L, ratio)
 
     def run(ctx_ids, q_ids, max_new, budget=budget):
@@ -158,10 +188,7 @@ def _worker_kvpress(job: dict) -> dict:
                                for l in cache.layers)
             answer = pipe.generate_answer(question_ids=q, cache=cache, context_length=L, max_new_tokens=max_new)
         t2 = time.perf_counter()
-        kept = None
-        if press is not None:
-            kept = [torch.sort(recorded[i].topk(n_kept, dim=-1).indices[0], dim=-1).values.tolist()
-                    for i in sorted(recorded)]
+        kept = [recorded[i] for i in sorted(recorded)] if press is not None else None
         kv_end = sum(l.keys.numel() * l.keys.element_size() + l.values.numel() * l.values.element_size()
                      for l in cache.layers)
         return {"answer": answer, "prefill_s": t1 - t0, "answer_s": t2 - t1, "total_s": t2 - t0, "n_kept": n_kept,
@@ -198,6 +225,7 @@ def _worker_fxbudget(job: dict) -> dict:
     model, tok = load_default(progress=False)
     rule, budget, chunk = job["rule"], job["budget"], job["chunk"]
     params = RULES[rule][0]
+    rule = fx_rule(rule)
     eos = model.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
     model = fxbudget.compile(model, rule=rule, budget=budget, chunk_size=chunk, backend=None,
@@ -270,13 +298,18 @@ def main() -> int:
     p.add_argument("--rules", default=",".join(RULES))
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--no-full", action="store_true", help="skip the uncompressed reference row")
+    p.add_argument("--no-chunked", action="store_true",
+                   help="fxbudget one-shot prefill only (the faithfulness rows; no chunked rows, no goals table)")
     p.add_argument("--timing-rounds", type=int, default=0,
                    help="extra rounds, after the main rows: kvpress and fxbudget chunked alternated per rule on the "
                         "first prompt, for a side-by-side time ratio on a shared machine")
     p.add_argument("--timing-only", action="store_true", help="only the --timing-rounds rows (no main table)")
     p.add_argument("--peer-python", default=str(PEER_PYTHON))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_kvpress.md"))
-    p.add_argument("--json-out", default=None, help="also write the raw results here")
+    p.add_argument("--json-out", default=None, help="also write the raw results here (rewritten after every row)")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
+                   help="run nothing: write the report from the raw results of earlier runs with the same prompt "
+                        "options (a later file's row replaces an earlier one's for the same stack, rule and mode)")
     p.add_argument("--worker", choices=["kvpress", "fxbudget"], help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -325,13 +358,20 @@ def main() -> int:
     runs = []
     plan = ([] if args.no_full else [("kvpress", "full", None)])
     for r in rules:
-        plan += [("kvpress", r, None), ("fxbudget", r, None), ("fxbudget", r, args.chunk)]
+        plan += [("kvpress", r, None), ("fxbudget", r, None)]
+        plan += [] if args.no_chunked else [("fxbudget", r, args.chunk)]
     if args.timing_only:
         plan = []
     for i in range(args.timing_rounds):
         for r in rules:  # alternate which stack goes first
             pair = [("kvpress", r, None, "timing"), ("fxbudget", r, args.chunk, "timing")]
             plan += pair if i % 2 == 0 else pair[::-1]
+    if args.from_json:
+        plan, merged = [], {}
+        for f in args.from_json:
+            for r_ in json.loads(Path(f).read_text())["runs"]:
+                merged[(r_["side"], r_["rule"], r_["mode"], r_.get("timing", False))] = r_
+        runs = [r_ for r_ in merged.values() if r_["rule"] in rules or r_["rule"] == "full"]
     for side, rule, chunk, *tag in plan:
         print(f"[{time.strftime('%H:%M:%S')}] {side} {rule} {'chunk ' + str(chunk) if chunk else ''} {tag} "
               f"(load {load_str()})", flush=True)
@@ -346,8 +386,8 @@ def main() -> int:
         print("   ", [(round(x["total_s"], 1), x["answer"], x["ok"]) for x in res["results"]],
               f"peak +{res['peak_rss_delta_mb']:.0f} MB", flush=True)
         runs.append(res)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": runs}))
+        if args.json_out:  # after every row: a long run interrupted keeps what it measured
+            Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": runs}))
 
     # ---- report
     timing_runs = [r for r in runs if r.get("timing")]
@@ -419,36 +459,46 @@ def main() -> int:
                        "KV MB", "load"], rows)
     lines += [""]
     # Table 2: ratios for the goals
-    lines += ["## Goals: fxbudget chunked vs kvpress (same rule)", "",
-              "| rule | time kvpress / fxbudget chunked (goal >= 2) | time kvpress / fxbudget one-shot | peak "
-              "fxbudget chunked / kvpress (goal <= 0.5) | peak fxbudget one-shot / kvpress |", "|---|---|---|---|---|"]
-    for rule in rules:
-        k, f1, fc = find("kvpress", rule, "full"), find("fxbudget", rule, "one"), find("fxbudget", rule, "chunk")
-        tk = statistics.median(x["total_s"] for x in k["results"])
-        t1 = statistics.median(x["total_s"] for x in f1["results"])
-        tc = statistics.median(x["total_s"] for x in fc["results"])
-        lines.append(f"| {rule} | {tk / tc:.2f} | {tk / t1:.2f} | {fc['peak_rss_delta_mb'] / k['peak_rss_delta_mb']:.2f}"
-                     f" | {f1['peak_rss_delta_mb'] / k['peak_rss_delta_mb']:.2f} |")
-    lines += [""]
+    if not args.no_chunked:
+        lines += ["## Goals: fxbudget chunked vs kvpress (same rule)", "",
+                  "| rule | time kvpress / fxbudget chunked (goal >= 2) | time kvpress / fxbudget one-shot | peak "
+                  "fxbudget chunked / kvpress (goal <= 0.5) | peak fxbudget one-shot / kvpress |",
+                  "|---|---|---|---|---|"]
+        for rule in rules:
+            k, f1, fc = find("kvpress", rule, "full"), find("fxbudget", rule, "one"), find("fxbudget", rule, "chunk")
+            tk = statistics.median(x["total_s"] for x in k["results"])
+            t1 = statistics.median(x["total_s"] for x in f1["results"])
+            tc = statistics.median(x["total_s"] for x in fc["results"])
+            lines.append(f"| {rule} | {tk / tc:.2f} | {tk / t1:.2f} | "
+                         f"{fc['peak_rss_delta_mb'] / k['peak_rss_delta_mb']:.2f}"
+                         f" | {f1['peak_rss_delta_mb'] / k['peak_rss_delta_mb']:.2f} |")
+        lines += [""]
     # Table 3: overlap
     lines += ["## Faithfulness: overlap of the kept position sets after the context", "",
-              "Per layer and KV head, |kept by fxbudget & kept by kvpress| / B; over all layers x KV heads x prompts.",
-              "", "| rule | fxbudget prefill | mean overlap (goal >= 0.99) | min | heads identical | heads |",
-              "|---|---|---|---|---|---|"]
+              "Per layer and KV head, |kept by fxbudget & kept by kvpress| / max(sizes) (= / B where both keep B); "
+              "over all layers x KV heads x prompts. `kvpress kept`: the sizes of kvpress's kept sets; `kvpress "
+              "set covered`: |both| / |kept by kvpress| (mean), which differs from the overlap only where kvpress "
+              "keeps fewer than B (chunkkv keeps whole chunks).",
+              "", "| rule | fxbudget prefill | mean overlap (goal >= 0.99) | min | heads identical | heads | "
+              "kvpress kept | kvpress set covered |", "|---|---|---|---|---|---|---|---|"]
     overlaps = {}
     for rule in rules:
         k = find("kvpress", rule, "full")
-        for mode in ("one", "chunk"):
+        for mode in ("one",) if args.no_chunked else ("one", "chunk"):
             f = find("fxbudget", rule, mode)
-            ov = []
+            ov, cov = [], []
             for xk, xf in zip(k["results"], f["results"]):
                 ov += _overlap(xf["kept"], xk["kept"])
+                cov += [len(set(a) & set(b)) / max(len(b), 1) for la, lb in zip(xf["kept"], xk["kept"])
+                        for a, b in zip(la, lb)]
+            sizes = sorted({len(h) for x in k["results"] for la in x["kept"] for h in la})
             overlaps[(rule, mode)] = ov
             lines.append(f"| {rule} | {f['mode']} | {statistics.mean(ov):.4f} | {min(ov):.3f} | "
-                         f"{sum(o == 1.0 for o in ov)} | {len(ov)} |")
+                         f"{sum(o == 1.0 for o in ov)} | {len(ov)} | "
+                         f"{sizes[0] if len(sizes) == 1 else f'{sizes[0]}-{sizes[-1]}'} | {statistics.mean(cov):.4f} |")
     lines += [""]
     lines += timing_section()
-    lines += analysis_link("vs_kvpress")
+    lines += analysis_link(Path(args.out).stem)
     write_md(args.out, lines)
     return 0
 

@@ -24,6 +24,7 @@ from ..rules import Rule, get
 from ..rules.base import Signals
 
 _K, _V, _P = (MARKER_TENSORS.index(n) for n in ("k_new", "v_new", "new_pos"))
+_SLOT_TENSORS = ("k_slots", "v_slots")  # signals that are the cache's own tensors: the branched cache's, not recorded
 _PER_CANDIDATE = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos")
 
 
@@ -38,7 +39,7 @@ class _Recorder(Rule):
     def score(self, s: Signals) -> Tensor:
         S = s.k_slots.shape[2]
         self.signals.append({n: getattr(s, n)[..., S:] if n in _PER_CANDIDATE else getattr(s, n)
-                             for n in SIGNAL_NAMES if n != "k_slots"})
+                             for n in SIGNAL_NAMES if n not in _SLOT_TENSORS})
         return s.pos.float()
 
 
@@ -136,7 +137,7 @@ def _evict_from_signals(rec: dict, layer, rule: Rule, window: int, v_new: Tensor
                 else slots.to(new.dtype)
             sig[name] = torch.cat([slots, new], dim=-1)
         else:
-            sig[name] = layer.keys if name == "k_slots" else rec[name]
+            sig[name] = {"k_slots": layer.keys, "v_slots": layer.values}[name] if name in _SLOT_TENSORS else rec[name]
     n = rec["k_new"].shape[2]
     score = rule_region(rule, layer.budget, min(window, n), *sig.values())
     totals = signal_totals(tuple(sig[name] for name in TOTALED), sig["attn"].dtype)

@@ -115,7 +115,8 @@ def load_file(path: str | os.PathLike, *, replace: bool = False) -> list[str]:
 
 # Built-in rules register themselves on import.
 from . import (  # noqa: E402,F401
-    expected_attention, full, h2o, keydiff, knorm, pyramidkv, random, snapkv, streamingllm, tova, weighted, window,
+    chunkkv, compactor, cur, expected_attention, full, h2o, keydiff, knorm, lagkv, leverage, observed_attention,
+    pyramidkv, random, snapkv, streamingllm, tova, weighted, window,
 )
 from .pyramidkv import Pyramid, pyramid_budgets  # noqa: E402
 

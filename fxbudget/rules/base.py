@@ -35,6 +35,7 @@ class Signals:
             number of positions each row has seen after the call, `[batch, 1, 1]` (broadcasts against `[b, h, C]`).
         inv_freq: the layer's RoPE inverse frequencies `[head_dim // 2]` (NaN if the model's RoPE is not the default
             kind); `queries` and keys are post-RoPE.
+        v_slots, v_new: cached values `[batch, kv_heads, S, head_dim]` and this call's values (`values` joins them).
         budget: the number of slots the layer keeps (a Python int, fixed at compile time).
         window: the observation window used for `window_attn` (a Python int, <= n).
     """
@@ -51,6 +52,8 @@ class Signals:
     k_new: Tensor
     new_pos: Tensor
     inv_freq: Tensor
+    v_slots: Tensor
+    v_new: Tensor
     budget: int
     window: int
 
@@ -64,6 +67,21 @@ class Signals:
         """Candidate keys `[batch, kv_heads, C, head_dim]` (a copy: only rules that read keys pay for it)."""
         return torch.cat([self.k_slots, self.k_new], dim=2)
 
+    @property
+    def values(self) -> Tensor:
+        """Candidate values `[batch, kv_heads, C, head_dim]` (a copy: only rules that read values pay for it)."""
+        return torch.cat([self.v_slots, self.v_new], dim=2)
+
+    def prerope_keys(self) -> Tensor:
+        """Candidate keys before RoPE, `[batch, kv_heads, C, head_dim]` in float32 (float64 for float64 inputs): the
+        cached keys rotated back by their own positions with `inv_freq` (default RoPE, half-split layout: a rule
+        that calls it sets `needs_rope`). Empty slots (position -1) come back meaningless, like their other signals."""
+        keys = self.keys.to(torch.promote_types(self.k_slots.dtype, torch.float32))
+        theta = self.pos.to(keys.dtype).unsqueeze(-1) * self.inv_freq.to(keys.dtype)  # [b, h, C, d/2]
+        cos, sin = (torch.cat([f(theta)] * 2, dim=-1) for f in (torch.cos, torch.sin))
+        a, b = keys.chunk(2, dim=-1)
+        return keys * cos - torch.cat([-b, a], dim=-1) * sin
+
     @functools.cached_property
     def order(self) -> Tensor:
         """Candidate indices sorted by position, oldest first (empty slots first): slots are unordered, so a rule
@@ -73,6 +91,10 @@ class Signals:
     def in_sequence_order(self, x: Tensor) -> Tensor:
         """`x` ([..., C]) reordered oldest-first; undo with `from_sequence_order`."""
         return x.gather(-1, self.order)
+
+    def in_sequence_order_rows(self, x: Tensor) -> Tensor:
+        """Per-candidate rows `x` ([b, h, C, d], e.g. `keys`) reordered oldest-first."""
+        return x.gather(2, self.order.unsqueeze(-1).expand_as(x))
 
     def from_sequence_order(self, x: Tensor) -> Tensor:
         """Inverse of `in_sequence_order`."""

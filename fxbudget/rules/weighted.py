@@ -6,14 +6,17 @@ the mean, over the standard deviation; empty slots and pads, `pos < 0`, take no 
 
     score = w_attn * z(log attn) + w_window_attn * z(log window_attn) + w_last_attn * z(log last_attn)
           + w_acc_attn * z(log acc_attn) + w_key_norm * z(key_norm) + w_value_norm * z(value_norm)
-          + w_recency * z(-log(step - pos))
+          + w_recency * z(-log(step - pos)) + w_mean_attn * z(log mean_attn) + w_key_diff * z(key_diff)
 
 then, if `pool > 1`, max-pooled over `pool` neighbouring positions in sequence order (snapkv's pooling, applied to
-the whole score); the first `n_sink` positions and the `n_recent` most recent ones are always kept. Attention
+the whole score); `mean_attn` is `observed_attention`'s score (attention over the number of the call's queries that
+see the candidate) and `key_diff` `keydiff`'s (minus the cosine to the mean normalized key); the first `n_sink`
+positions and the `n_recent` most recent ones are always kept. Attention
 signals enter as logs: they span orders of magnitude (a sink takes most of the mass), and a z-score of the raw values
 would be the sink's alone. Weights have no scale (the ranking ignores a positive factor); a feature constant over a
 head contributes 0. Points of the family equal to built-in rules (`BUILTIN_POINTS`; same kept tokens in a one-call
-prefill of at least `window` tokens, up to float ties): snapkv, tova, knorm, h2o, streamingllm, window.
+prefill of at least `window` tokens, up to float ties): snapkv, tova, knorm, h2o, streamingllm, window,
+observed_attention, keydiff.
 The observation window is the kernel default (a run compares rules at one window).
 """
 
@@ -28,9 +31,12 @@ from torch import Tensor
 from ..checks import check_int
 from . import register
 from .base import Rule, Signals, recent
+from .keydiff import KeyDiff
+from .observed_attention import ObservedAttention
 
-WEIGHTS = ("w_attn", "w_window_attn", "w_last_attn", "w_acc_attn", "w_key_norm", "w_value_norm", "w_recency")
-_LOG = ("attn", "window_attn", "last_attn", "acc_attn")  # signals that enter as logs
+WEIGHTS = ("w_attn", "w_window_attn", "w_last_attn", "w_acc_attn", "w_key_norm", "w_value_norm", "w_recency",
+           "w_mean_attn", "w_key_diff")
+_LOG = ("attn", "window_attn", "last_attn", "acc_attn", "mean_attn")  # signals that enter as logs
 
 
 def builtin_points(budget: int, window: int = 32) -> dict[str, dict]:
@@ -47,7 +53,9 @@ def builtin_points(budget: int, window: int = 32) -> dict[str, dict]:
               "knorm": {"w_key_norm": -1.0},
               "h2o": {"w_acc_attn": 1.0, "n_recent": int(budget * 0.5)},
               "streamingllm": {"w_recency": 1.0, "n_sink": 4},
-              "window": {"w_recency": 1.0}}
+              "window": {"w_recency": 1.0},
+              "observed_attention": {"w_mean_attn": 1.0},
+              "keydiff": {"w_key_diff": 1.0}}
     return {name: {**{w: 0.0 for w in WEIGHTS}, "n_sink": 0, "n_recent": 0, "pool": 1, **p}
             for name, p in points.items()}
 
@@ -72,6 +80,8 @@ class Weighted(Rule):
     w_key_norm: float = 0.0
     w_value_norm: float = 0.0
     w_recency: float = 0.0
+    w_mean_attn: float = 0.0
+    w_key_diff: float = 0.0
     n_sink: int = 0
     n_recent: int = 32
     pool: int = 7
@@ -86,7 +96,10 @@ class Weighted(Rule):
         """The normalized features, by weight name (`z` of each term of the formula)."""
         valid = s.pos >= 0
         count = valid.sum(-1, keepdim=True).clamp_min(1)
-        raw = {f"w_{n}": torch.log(getattr(s, n).clamp_min(torch.finfo(s.attn.dtype).tiny)) for n in _LOG}
+        tiny = torch.finfo(s.attn.dtype).tiny
+        raw = {f"w_{n}": torch.log(getattr(s, n).clamp_min(tiny)) for n in _LOG[:-1]}
+        raw["w_mean_attn"] = torch.log(ObservedAttention().score(s).clamp_min(tiny))
+        raw["w_key_diff"] = KeyDiff().score(s)
         raw["w_key_norm"], raw["w_value_norm"] = s.key_norm, s.value_norm
         raw["w_recency"] = -torch.log((s.step - s.pos).clamp_min(1).to(s.attn.dtype))
         return {name: _z(x.to(s.attn.dtype), valid, count) for name, x in raw.items()}
