@@ -188,3 +188,146 @@ def test_batch_size_does_not_change_results(setup):
     assert max(abs(a - b) for a, b in zip(_loglikelihoods(one), _loglikelihoods(four))) < 1e-4
     assert math.isclose(_perplexities(one)["word_perplexity,none"], _perplexities(four)["word_perplexity,none"],
                         rel_tol=1e-5)
+
+
+def test_requests_sharing_a_context_share_its_prefill(setup, monkeypatch):
+    """A multiple-choice doc asks 4 continuations of one context: one prefilled row per doc, not per choice."""
+    from fxbudget.lmeval.engine import Budgeted
+
+    model_dir, tm, _ = setup
+    rows = []
+    original = Budgeted.prefill
+    monkeypatch.setattr(Budgeted, "prefill",
+                        lambda self, forward, seqs, h: rows.extend(seqs) or original(self, forward, seqs, h))
+    fx = _fx(model_dir, [MC], tm, "rule=snapkv,budget=6,protocol=query-aware", batch_size=4)
+    docs = len(fx["samples"][MC])
+    assert len(rows) == docs and len({tuple(r) for r in rows}) == docs
+
+
+# --- query-agnostic: the chat template's last user turn is the question --------------------------------------------
+def test_chat_template_marks_the_last_user_turn(setup):
+    model_dir, _, _ = setup
+    lm = FxBudgetLM(pretrained=model_dir, budget=8, protocol="query-agnostic")
+    history = [{"role": "user", "content": "first question"}, {"role": "assistant", "content": "first answer"},
+               {"role": "user", "content": "the real question"}]
+    text = lm.apply_chat_template(history)
+    at = lm._question_at[text]
+    assert text[at:].startswith("the real question") and "first answer" in text[:at]
+    ids = lm.tok_encode(text)
+    k = lm._prefilled(text, ids, len(ids))
+    assert lm.tok_decode(ids[k:], skip_special_tokens=False).startswith("the real question")
+    with pytest.raises(ValueError, match="apply_chat_template"):
+        lm._prefilled("no template here", ids, len(ids))
+
+
+def test_query_agnostic_with_chat_template(setup):
+    """Covering: equal to hf with the same chat template; small: the question's own queries no longer choose what is
+    kept, so the results differ from query-aware's at the same budget."""
+    model_dir, tm, _ = setup
+    hf = _hf(model_dir, [GEN, MC], tm, apply_chat_template=True)
+    cover = _fx(model_dir, [GEN, MC], tm, "rule=snapkv,budget=512,protocol=query-agnostic", apply_chat_template=True)
+    assert _resps(cover, GEN) == _resps(hf, GEN)
+    assert max(abs(a - b) for a, b in zip(_loglikelihoods(cover), _loglikelihoods(hf))) < 1e-4
+    small = {p: _fx(model_dir, [MC], tm, f"rule=snapkv,budget=6,window=4,protocol={p}", apply_chat_template=True)
+             for p in ("query-agnostic", "query-aware")}
+    agnostic, aware = (_loglikelihoods(small[p]) for p in ("query-agnostic", "query-aware"))
+    assert max(abs(a - b) for a, b in zip(agnostic, aware)) > 1e-2
+    assert max(abs(a - b) for a, b in zip(agnostic, _loglikelihoods(hf))) > 1e-2
+
+
+def test_query_agnostic_without_a_mark_is_refused(setup):
+    model_dir, tm, _ = setup
+    with pytest.raises(ValueError, match="query-agnostic.*apply_chat_template"):
+        _fx(model_dir, [MC], tm, "rule=snapkv,budget=6,protocol=query-agnostic")
+
+
+# --- registration and bad input ------------------------------------------------------------------------------------
+def test_registered_with_lm_eval():
+    import importlib.metadata
+
+    from lm_eval.api.registry import get_model
+
+    assert get_model("fxbudget") is FxBudgetLM
+    (ep,) = [e for e in importlib.metadata.entry_points(group="lm_eval.models") if e.name == "fxbudget"]
+    assert ep.load() is FxBudgetLM  # what lm-eval releases with entry-point discovery load
+
+
+@pytest.mark.parametrize("args, match", [
+    ("rule=nope,budget=8", "unknown rule 'nope'; known rules: "),
+    ("rule=snapkv", "budget= is required"),
+    ("budget=0", "positive int"),
+    ("budget=150%", r"percentage in \(0, 100\]"),
+    ("budget=lots", "percentage"),
+    ("budget=8,protocol=sometimes", "protocol must be one of query-agnostic, query-aware, streaming"),
+    ("budget=8,backend=tensorrt", "backend must be none"),
+    ("budget=8,chunk_size=0", "chunk_size must be an int >= 1"),
+    ("rule=h2o,budget=8,window=4", "rule 'h2o' has no window hyperparameter"),
+    ("rule=snapkv,budget=8,kernel=4", "kernel must be a positive odd int"),
+    ("budget=8,dtype=float8", "dtype must be one of"),
+    ("budget=8,batch_size=auto", "batch_size=auto is not supported"),
+    ("budget=8,parallelize=True", "unknown argument"),
+])
+def test_bad_model_args_fail_before_any_model_is_loaded(args, match, monkeypatch):
+    from fxbudget.lmeval import ModelArgsError, loading
+
+    monkeypatch.setattr(loading, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(ModelArgsError, match=match):
+        FxBudgetLM.create_from_arg_string(f"pretrained=/nonexistent,{args}")
+
+
+def _run(code: str, *args: str):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+
+
+def test_command_line_reports_bad_model_args_in_one_line(setup, tmp_path):
+    model_dir, _, _ = setup
+    _yaml(tmp_path, MC, _write(tmp_path, "mc", [{"question": "q", "choices": [" a", " b"], "label": 0}]), MC_BODY)
+    proc = _run("import sys; from fxbudget.lmeval.__main__ import main; sys.exit(main(sys.argv[1:]))",
+                "--model", "fxbudget", "--model_args", f"pretrained={model_dir},rule=nope,budget=8",
+                "--tasks", MC, "--include_path", str(tmp_path))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: fxbudget model_args: unknown rule 'nope'"), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_without_lm_eval_fxbudget_imports_and_names_the_extra():
+    code = """
+import sys
+sys.modules["lm_eval"] = None  # as if lm-eval were not installed
+import fxbudget, fxbudget.cli, fxbudget.harness.runner, fxbudget.lmeval
+from fxbudget.lmeval.__main__ import main
+assert main(["--model", "fxbudget"]) == 2
+try:
+    from fxbudget.lmeval import FxBudgetLM
+except ImportError as e:
+    print("IMPORT-ERROR:", e)
+"""
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "IMPORT-ERROR:" in proc.stdout and "pip install 'flexbudget[lmeval]'" in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and "flexbudget[lmeval]" in proc.stderr
+
+
+def test_model_args_win_over_the_command_lines_device_and_batch_size(setup):
+    """lm-eval's CLI always passes device (cuda:0 by default) and batch_size; `device=` in --model_args must not
+    fail with "multiple values for keyword argument" (as it does for lm-eval's own hf model)."""
+    model_dir, _, _ = setup
+    lm = FxBudgetLM.create_from_arg_obj({"pretrained": model_dir, "budget": 8, "device": "cpu", "batch_size": 3},
+                                        {"device": "cuda:0", "batch_size": 1, "max_batch_size": None})
+    assert str(lm.device) == "cpu" and lm.batch_size == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
+def test_cuda_device_without_cuda_is_one_clear_message(monkeypatch):
+    from fxbudget.lmeval import ModelArgsError, loading
+
+    monkeypatch.setattr(loading, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(ModelArgsError, match="no CUDA device: pass --device cpu"):
+        FxBudgetLM.create_from_arg_obj({"pretrained": "/nonexistent", "budget": 8}, {"device": "cuda:0"})

@@ -4,11 +4,14 @@ It is lm-eval's own `hf` model (`HFLM`: the same tokenization, truncation, chat 
 so with a budget covering every request its metrics equal `hf`'s) whose three request types run through
 `fxbudget.compile` instead of a plain forward:
 
-| request | prefilled with eviction | then |
-| --- | --- | --- |
-| `generate_until` | query-aware, streaming: the whole context; query-agnostic: the context before the question | the question (query-agnostic) and greedy decoding, eviction frozen; streaming: decoding evicts |
-| `loglikelihood` | as above; requests sharing it share one prefill | the continuation teacher-forced in one call, eviction frozen (streaming: one token per call, evicting); `is_greedy` from the same logits |
-| `loglikelihood_rolling` | nothing: each lm-eval window streams through the budget in calls of `chunk_size` tokens (default 1), every call evicting | the window's log-probabilities |
+- `generate_until`: the context is prefilled with eviction (query-aware, streaming: all of it; query-agnostic: the
+  part before the question), then the question (query-agnostic) and greedy decoding follow with eviction frozen
+  (streaming: decoding evicts), until lm-eval's stop strings, the eos token or `max_gen_toks`.
+- `loglikelihood`: the context prefilled the same way, once for all requests that share it (a multiple-choice
+  doc's choices); each continuation is then teacher-forced in one call with eviction frozen (streaming: one token
+  per call, evicting) and the cache put back; `is_greedy` comes from the same logits.
+- `loglikelihood_rolling`: each of lm-eval's windows streams through the budget in calls of `chunk_size` tokens
+  (default 1), every call evicting (one call would attend exactly and evict only afterwards).
 
 The question (query-agnostic) is the last user turn of the chat template (`--apply_chat_template`): the context is
 everything before that turn's content. A request with no such mark is refused under query-agnostic (never run as
@@ -88,6 +91,19 @@ class FxBudgetLM(HFLM):
         self.engine = Budgeted(model, self.opts, pad if pad is not None else 0)
         self._question_at: dict[str, int] = {}  # rendered chat prompt -> where its last user turn's content starts
         self._fingerprint: str | None = None
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "FxBudgetLM":
+        """As lm-eval's, but `--model_args` win over the command line's `batch_size`/`device`: lm-eval's CLI always
+        passes `device` (default cuda:0), and the base class then fails on `device=` in `--model_args` with
+        "multiple values for keyword argument"."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "FxBudgetLM":
+        """`create_from_arg_obj` of lm-eval's parse of `key=value,...`."""
+        return cls.create_from_arg_obj(lm_utils.simple_parse_args_string(arg_string), additional_config)
 
     # --- where the question starts (query-agnostic) ---------------------------------------------------------------
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:

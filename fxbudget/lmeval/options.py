@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
 from ..backend import INNER_BACKENDS, kernel_window
 from ..checks import check_int
 from ..harness.likelihood import PROTOCOLS
@@ -121,6 +123,9 @@ def parse(args: dict) -> Options:
     if dtype not in DTYPES:
         raise ModelArgsError(f"fxbudget model_args: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     device = str(args.pop("device", None) or "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelArgsError(f"fxbudget model_args: device {device} (lm-eval's command line passes cuda:0 unless told "
+                             "otherwise), but torch sees no CUDA device: pass --device cpu or device=cpu")
     fields = _rule_fields(rule_name)
     if "window" in args and "window" not in fields:
         raise ModelArgsError(f"fxbudget model_args: rule {rule_name!r} has no window hyperparameter, so its kernel "
