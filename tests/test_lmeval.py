@@ -331,3 +331,26 @@ def test_cuda_device_without_cuda_is_one_clear_message(monkeypatch):
     monkeypatch.setattr(loading, "load", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(ModelArgsError, match="no CUDA device: pass --device cpu"):
         FxBudgetLM.create_from_arg_obj({"pretrained": "/nonexistent", "budget": 8}, {"device": "cuda:0"})
+
+
+def test_compiled_backend_equals_the_eager_kernel(setup):
+    """backend=aot_eager (the compiled path: bucketed calls, frozen graphs) gives the eager kernel's results."""
+    from lm_eval.api.instance import Instance
+
+    model_dir, _, _ = setup
+    ctx = [f"the cat sat on a mat number {i} and then" for i in range(3)]
+    requests = {
+        "loglikelihood": [Instance("loglikelihood", {}, (c, k), 0) for c in ctx for k in (" ran", " sat far away")],
+        "loglikelihood_rolling": [Instance("loglikelihood_rolling", {}, (" ".join(WORDS),), 0)],
+        "generate_until": [Instance("generate_until", {}, (c, {"until": ["\n\n"], "max_gen_toks": 5}), 0) for c in ctx],
+    }
+    got = {}
+    for backend in ("none", "aot_eager"):
+        lm = FxBudgetLM(pretrained=model_dir, budget=6, rule="snapkv", window=2, kernel=3, backend=backend,
+                        batch_size=2, max_length=MAX_LENGTH)
+        got[backend] = {kind: getattr(lm, kind)(reqs) for kind, reqs in requests.items()}
+    eager, compiled = got["none"], got["aot_eager"]
+    assert compiled["generate_until"] == eager["generate_until"]
+    assert [g for _, g in compiled["loglikelihood"]] == [g for _, g in eager["loglikelihood"]]
+    assert max(abs(a[0] - b[0]) for a, b in zip(compiled["loglikelihood"], eager["loglikelihood"])) < 1e-4
+    assert math.isclose(compiled["loglikelihood_rolling"][0], eager["loglikelihood_rolling"][0], rel_tol=1e-5)
