@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import platform
+import warnings
 
 import torch
 import transformers
@@ -259,7 +260,11 @@ class FxBudgetLM(HFLM):
         schedule = o.rule.layer_budgets(o.budget if absolute else 1024, max(n_full, 1))
         if self._fingerprint is None:  # traced once, on the unmodified model (every forward is restored by now)
             ids = torch.zeros(1, 8, dtype=torch.long, device=p.device)
-            self._fingerprint = kernel_fingerprint(model, ids, rule=o.rule, budget=o.budget if absolute else 1024)
+            try:
+                self._fingerprint = kernel_fingerprint(model, ids, rule=o.rule, budget=o.budget if absolute else 1024)
+            except Exception as e:  # noqa: BLE001  (called after the evaluation: record why, do not lose its results)
+                self._fingerprint = f"unavailable: {type(e).__name__}: {e}"
+                warnings.warn(f"fxbudget: kernel fingerprint {self._fingerprint}", stacklevel=2)
         return {
             "model": self.pretrained, "rule": o.rule.name, "rule_params": o.rule.params(),
             "budget": o.budget, "budget_kind": "absolute" if absolute else "fraction of each request's prefill",
