@@ -16,6 +16,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .architectures import check_model
 from .backend import INNER_BACKENDS, NoBudgetAttentionError, kernel_window, make_backend
 from .cache import BudgetCache, _layer_shapes
 from .cache_arg import cache_kwargs, cache_name, pick_cache
@@ -50,12 +51,12 @@ def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: in
     config = getattr(model, "config", None)
     if config is None:
         return  # a custom module that builds its own BudgetCache
+    check_model(model)  # raises, naming the feature, for attention fxbudget cannot reproduce exactly
     impl = getattr(config, "_attn_implementation", None)
     if impl not in (None, "sdpa"):
         raise ValueError(
             f"fxbudget needs SDPA attention, this model uses {impl!r}: load it with attn_implementation='sdpa' "
             "or call model.set_attn_implementation('sdpa') first")
-    _layer_shapes(config)  # raises for layer types fxbudget cannot budget
     max_pos = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
     if max_pos is not None and budget > max_pos:
         warnings.warn(f"budget {budget} exceeds the model's max_position_embeddings {max_pos}; "

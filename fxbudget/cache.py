@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .checks import check_int
 from .eager import require_interceptor
 from .kernel import TOTALED
+from .layer_config import layer_shapes, layer_windows, rope_inv_freq, text_config
 from .marker import MARKER_STATICS, MARKER_TENSORS, MarkerCall, candidates  # noqa: F401  (importers use cache's)
 
 
@@ -112,37 +113,18 @@ class BudgetLayer(CacheLayerMixin):
         self.seen.zero_()
 
 
-def _rope_inv_freq(cfg, layer_type: str, head_dim: int) -> Tensor | None:
-    """Default-RoPE inverse frequencies of a layer type, or None when the model uses another RoPE variant."""
-    params = getattr(cfg, "rope_parameters", None) or {}
-    params = params.get(layer_type, params)
-    if params.get("rope_type", "default") != "default" or "rope_theta" not in params \
-            or getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
-        return None
-    return 1.0 / params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-
-
-def _layer_shapes(config) -> tuple[int, int, int, int, tuple[str, ...]]:
-    """(layers, kv heads, head dim, query heads, layer types) of a config; raises for layers fxbudget cannot serve."""
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    n_layers = cfg.num_hidden_layers
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers)
-    if getattr(cfg, "kv_sharing_modes", None) is not None and any(m == "reuse" for m in cfg.kv_sharing_modes):
-        raise NotImplementedError("fxbudget does not support KV-sharing layers yet (config.kv_sharing_modes)")
-    for t in set(types) - {"full_attention", "sliding_attention"}:
-        raise NotImplementedError(f"fxbudget supports full and sliding attention layers, not {t!r} layers")
-    return n_layers, kv_heads, head_dim, heads, tuple(types)
+# Config reading lives in `fxbudget.layer_config` (each layer's window as transformers' mask code decides it, RoPE
+# frequencies with partial rotary); these names stay for importers.
+_layer_shapes = layer_shapes
 
 
 class BudgetCache(Cache):
     """A transformers `Cache` that keeps at most `budget` KV entries per layer and KV head.
 
     Full-attention layers hold `budget + headroom` slots and evict down to `budget` on every call that overflows it
-    (the rule decides which). Sliding-window layers (`config.layer_types`) hold exactly their window and are not
-    budgeted.
+    (the rule decides which). Sliding-window layers hold exactly their window and are not budgeted: those of
+    `config.layer_types`, or every layer under a model-wide `sliding_window` (Mistral, Phi-3, Starcoder2), as the
+    model's mask code decides (`fxbudget.layer_config.layer_windows`).
 
     Args:
         config: the model config (a transformers config, or any object with `num_hidden_layers`,
@@ -164,8 +146,9 @@ class BudgetCache(Cache):
                  layer_budgets: list[int] | None = None):
         for name, val, low in (("budget", budget, 1), ("batch_size", batch_size, 1), ("headroom", headroom, 0)):
             check_int(name, val, low)
-        n_layers, kv_heads, head_dim, heads, types = _layer_shapes(config)
-        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        n_layers, kv_heads, head_dim, heads, types = layer_shapes(config)
+        windows = layer_windows(config)  # 0 = full attention: what the model's own mask code applies
+        cfg = text_config(config)
         dtype = dtype or torch.get_default_dtype()
         if isinstance(device, (list, tuple)):
             if len(device) != n_layers:
@@ -188,9 +171,9 @@ class BudgetCache(Cache):
         self.call = CallPositions()  # set by BudgetForward around each call; shared by every layer
         rope_known = []  # per budgeted layer (from the config, so no device is read back)
         for i, t in enumerate(types):
-            sliding = cfg.sliding_window if t == "sliding_attention" else 0
+            sliding = windows[i]
             b = sliding or next(full_budgets)
-            inv_freq = _rope_inv_freq(cfg, t, head_dim)
+            inv_freq = rope_inv_freq(cfg, t, head_dim)
             if not sliding:
                 rope_known.append(inv_freq is not None)
             layers.append(BudgetLayer(

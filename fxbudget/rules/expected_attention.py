@@ -7,8 +7,9 @@ averaged over the next `n_future_positions` positions (`R`); then for each key `
 multiplied by `||v|| (+ epsilon)` when `use_vnorm`; the first `n_sink` tokens are always kept.
 Departures: the statistics come from this call's queries, un-rotated with the layer's RoPE frequencies (kvpress
 projects the prompt's hidden states through `W_q` and omits its bias; with chunked prefill, each chunk has its own
-statistics); the softmax runs over the candidates (cached entries and the call's tokens). Needs default RoPE: a model
-without it is refused when compiled.
+statistics); the softmax runs over the candidates (cached entries and the call's tokens). Needs default RoPE (partial
+rotary included: only the first `r` dims are un-rotated, `r = 2 * len(inv_freq)`); a model without it, or whose dims
+are paired otherwise (interleaved, GLM), is refused when compiled.
 """
 
 from __future__ import annotations
@@ -24,9 +25,28 @@ from . import register
 from .base import Rule, Signals
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
+def _rotate_half(x: Tensor, rot: int | None = None) -> Tensor:
+    """transformers' `rotate_half` on the first `rot` dims (all by default); the other dims, which partial rotary
+    leaves unrotated, map to zero."""
+    rot = x.shape[-1] if rot is None else rot
+    a, b = x[..., :rot].chunk(2, dim=-1)
+    return torch.cat([-b, a, torch.zeros_like(x[..., rot:])], dim=-1)
+
+
+def _cos_sin(theta: Tensor, d: int) -> tuple[Tensor, Tensor]:
+    """cos and sin of RoPE angles `[..., r/2]` laid out over `d` dims as transformers applies them: the first `r`
+    dims rotated (angles repeated for both halves), the rest unrotated (cos 1, sin 0)."""
+    pad = d - 2 * theta.shape[-1]
+    cos, sin = (torch.cat([f(theta)] * 2, dim=-1) for f in (torch.cos, torch.sin))
+    return (torch.cat([cos, cos.new_ones(*cos.shape[:-1], pad)], dim=-1),
+            torch.cat([sin, sin.new_zeros(*sin.shape[:-1], pad)], dim=-1))
+
+
+def unrotate(q: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
+    """Undo RoPE on queries `[..., n, d]` rotated at positions `pos` (broadcastable to `[..., n]`) with frequencies
+    `inv_freq` `[r/2]`: the first `r` dims rotated, the rest left as they are (partial rotary)."""
+    cos, sin = _cos_sin(pos.float().unsqueeze(-1) * inv_freq.float(), q.shape[-1])
+    return q * cos - _rotate_half(q, 2 * inv_freq.shape[-1]) * sin
 
 
 @register("expected_attention")
@@ -44,10 +64,10 @@ class ExpectedAttention(Rule):
         n = s.new_pos.shape[-1]
         g = gn // n
         q = s.queries.float().view(b, h, g, n, d)
-        # Undo RoPE: the queries were rotated by their own positions (per row: rows may be padded differently).
-        theta = s.new_pos.float().unsqueeze(-1) * s.inv_freq.float()  # [b, n, d/2]
-        cos, sin = (torch.cat([f(theta)] * 2, dim=-1).view(b, 1, 1, n, d) for f in (torch.cos, torch.sin))
-        q = q * cos - _rotate_half(q) * sin
+        # Undo RoPE: the queries were rotated by their own positions (per row: rows may be padded differently). The
+        # frequencies cover the rotated dims only: `[r/2]`, r < d under partial rotary (GLM, StableLM, GPT-NeoX).
+        rot = 2 * s.inv_freq.shape[-1]
+        q = unrotate(q, s.new_pos.view(b, 1, 1, n), s.inv_freq)
         use = (s.new_pos >= self.n_sink).float()  # pads (-1) and sinks excluded
         use = torch.where(use.sum(-1, keepdim=True) > 0, use, (s.new_pos >= 0).float())  # all sinks: use them all
         count = use.sum(-1).clamp(min=1).view(b, 1, 1, 1)
@@ -55,10 +75,10 @@ class ExpectedAttention(Rule):
         mu = (q * use).sum(dim=3) / count  # [b, h, g, d]
         # The RoPE rotation averaged over the next positions: R = diag(cos) + diag(sin) P, with P x = rotate_half(x).
         future = s.step.view(b, 1) + torch.arange(self.n_future_positions, device=q.device)
-        phi = future.float().unsqueeze(-1) * s.inv_freq.float()  # [b, future, d/2]
-        c, sn = (torch.cat([f(phi).mean(1)] * 2, dim=-1) for f in (torch.cos, torch.sin))  # [b, d]
+        phi = future.float().unsqueeze(-1) * s.inv_freq.float()  # [b, future, r/2]
+        c, sn = (t.mean(1) for t in _cos_sin(phi, d))  # [b, d]; unrotated dims: cos 1, sin 0
         eye = torch.eye(d, device=q.device)
-        R = (c.unsqueeze(-1) * eye + sn.unsqueeze(-1) * _rotate_half(eye).T).unsqueeze(1)  # [b, 1, d, d]
+        R = (c.unsqueeze(-1) * eye + sn.unsqueeze(-1) * _rotate_half(eye, rot).T).unsqueeze(1)  # [b, 1, d, d]
         mu = mu @ R.transpose(-1, -2)
         keys = s.keys.float()  # [b, h, C, d]
         z = torch.einsum("bhgd,bhcd->bhgc", mu, keys) / math.sqrt(d)

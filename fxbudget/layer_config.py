@@ -1,0 +1,190 @@
+"""What a model config says about each attention layer: shapes, sliding window, RoPE frequencies.
+
+Each layer's window is read the way the installed transformers' mask code decides it:
+- a modeling module that picks its mask with `create_causal_mask if config.sliding_window is None else
+  create_sliding_window_causal_mask` (Mistral, Mixtral, Phi-3, Starcoder2, Qwen3-MoE, ...) slides every layer over
+  `config.sliding_window` tokens, whatever `layer_types` says;
+- otherwise `layer_types` decides per layer (`sliding_attention` layers slide over `config.sliding_window`); Qwen2's
+  and Qwen3's `use_sliding_window` / `max_window_layers` are already folded into `layer_types` by their configs;
+- otherwise, as transformers' `create_masks_for_generate`: a model-wide `sliding_window` slides every layer, unless
+  the model's modeling module never builds a sliding mask (then it is ignored, as the model ignores it).
+A window `w` lets a query at position `q` see keys at `k > q - w` (`masking_utils.sliding_window_overlay`): `w` keys,
+the query's own included; the kernel's `sliding` means the same (`kp > qp - sliding`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+
+import torch
+from torch import Tensor
+
+_WIDE_MASK = "sliding_window is None else create_sliding_window_causal_mask"
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+class UnsupportedArchitectureError(NotImplementedError):
+    """The model uses an attention feature fxbudget cannot reproduce exactly (named in the message)."""
+
+
+def text_config(config):
+    """The decoder's config of a (possibly composite) config."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+@functools.lru_cache(maxsize=None)
+def _module_source(config_module: str) -> str | None:
+    """Source of the modeling module next to a transformers configuration module (None if there is none)."""
+    if not config_module.startswith("transformers.models.") or ".configuration_" not in config_module:
+        return None
+    try:
+        return inspect.getsource(importlib.import_module(config_module.replace(".configuration_", ".modeling_")))
+    except (ImportError, OSError, TypeError):
+        return None
+
+
+def modeling_source(config) -> str | None:
+    """Source of the transformers modeling module of a config's model (None for configs from elsewhere)."""
+    return _module_source(type(text_config(config)).__module__)
+
+
+def _window(cfg, why: str) -> int:
+    w = getattr(cfg, "sliding_window", None)
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise UnsupportedArchitectureError(f"{why}, but its sliding_window is {w!r}: not a window fxbudget (or "
+                                           "transformers' mask code) can apply")
+    return w
+
+
+def layer_windows(config) -> tuple[int, ...]:
+    """Each layer's sliding window in tokens (0 = full attention), as the model's mask code decides it.
+
+    Args:
+        config: a transformers config (or any object with `num_hidden_layers`, optional `layer_types`,
+            `sliding_window`).
+    Returns:
+        One int per layer.
+    Raises:
+        UnsupportedArchitectureError: a layer type other than full or sliding attention (chunked, linear, hybrid,
+            ...), chunked attention, or a sliding layer without a usable window.
+    """
+    cfg = text_config(config)
+    n = cfg.num_hidden_layers
+    src = modeling_source(cfg)
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        for t in dict.fromkeys(types):
+            if t not in (FULL, SLIDING):
+                raise UnsupportedArchitectureError(
+                    f"fxbudget supports full and sliding attention layers, not {t!r} layers (config.layer_types)")
+    if src is not None and _WIDE_MASK in src:
+        w = getattr(cfg, "sliding_window", None)
+        return (_window(cfg, "every layer of this model slides") if w is not None else 0,) * n
+    if types is not None:
+        types = list(types)
+        if len(types) != n:
+            raise UnsupportedArchitectureError(f"config.layer_types has {len(types)} entries for {n} layers")
+        w = _window(cfg, "config.layer_types has sliding_attention layers") if SLIDING in types else 0
+        return tuple(w if t == SLIDING else 0 for t in types)
+    if getattr(cfg, "attention_chunk_size", None) is not None:
+        raise UnsupportedArchitectureError("chunked attention (config.attention_chunk_size) is not supported")
+    if getattr(cfg, "sliding_window", None) is not None and (src is None or "create_sliding_window_causal_mask"
+                                                             in src):
+        if src is not None:  # a sliding mask built some other way: which layers it reaches is not known here
+            raise UnsupportedArchitectureError(
+                f"cannot tell which layers of {type(cfg).__name__} slide (a sliding_window and no layer_types, and "
+                "its modeling code builds sliding masks in a way fxbudget does not read)")
+        return (_window(cfg, "every layer slides (a model-wide sliding_window)"),) * n
+    return (0,) * n
+
+
+def layer_types(config) -> tuple[str, ...]:
+    """`full_attention` / `sliding_attention` per layer, from `layer_windows`."""
+    return tuple(SLIDING if w else FULL for w in layer_windows(config))
+
+
+def layer_shapes(config) -> tuple[int, int, int, int, tuple[str, ...]]:
+    """(layers, kv heads, head dim, query heads, layer types) of a config; raises `UnsupportedArchitectureError`
+    (naming the feature) for attention fxbudget cannot reproduce (`fxbudget.architectures.check_config`)."""
+    from .architectures import check_config
+
+    check_config(config)
+    cfg = text_config(config)
+    heads = cfg.num_attention_heads
+    # GPT-BigCode keeps multi-query attention as a flag rather than num_key_value_heads=1
+    kv_heads = 1 if getattr(cfg, "multi_query", False) else getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv_heads, head_dim, heads, layer_types(config)
+
+
+def rope_parameters(cfg, layer_type: str) -> dict:
+    """The RoPE parameters of a layer type (per-type dicts, as Gemma 3 keeps them, or one for all layers)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(params.get(layer_type), dict) or layer_type in params:
+        params = params.get(layer_type) or {}
+    return dict(params)
+
+
+def partial_rotary_factor(cfg, layer_type: str) -> float:
+    """The fraction of each head's dims that RoPE rotates: from `rope_parameters` (transformers 5: GLM, StableLM,
+    GPT-NeoX, Phi), else the config's top level, else 1."""
+    params = rope_parameters(cfg, layer_type)
+    return float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation_layout(config_module: str) -> str:
+    """How the model's `rotate_half` pairs dims: "half" (i with i + d/2, as Llama) or "interleaved" (2i with 2i+1,
+    as GLM and Cohere), "unknown" when its modeling module has none."""
+    src = _module_source(config_module)
+    if src is None:
+        return "half"  # not a transformers model: fxbudget's convention, the one the rule documents
+    fn = getattr(importlib.import_module(config_module.replace(".configuration_", ".modeling_")), "rotate_half", None)
+    if fn is None:
+        return "unknown"
+    x = torch.arange(4.0)
+    out = fn(x)
+    if torch.equal(out, torch.tensor([-2.0, -3.0, 0.0, 1.0])):
+        return "half"
+    if torch.equal(out, torch.tensor([-1.0, 0.0, -3.0, 2.0])):
+        return "interleaved"
+    return "unknown"
+
+
+def rope_kind(config, layer_type: str = FULL) -> str:
+    """A description of a layer type's RoPE (the architecture table's `rotary` column)."""
+    cfg = text_config(config)
+    params = rope_parameters(cfg, layer_type)
+    if "rope_theta" not in params:
+        return "none"
+    kind = params.get("rope_type", "default")
+    factor = partial_rotary_factor(cfg, layer_type)
+    layout = _rotation_layout(type(cfg).__module__)
+    parts = [kind] + ([f"partial {factor:g}"] if factor != 1.0 else []) + ([layout] if layout != "half" else [])
+    return " ".join(parts) + ("" if rope_inv_freq(config, layer_type) is not None else " (unknown to rules)")
+
+
+def rope_inv_freq(config, layer_type: str, head_dim: int | None = None) -> Tensor | None:
+    """Default-RoPE inverse frequencies of a layer type, as transformers computes them
+    (`1 / theta ** (arange(0, r, 2) / r)`, `r = int(head_dim * partial_rotary_factor)` rotated dims, the first `r` of
+    each head, paired as `rotate_half` pairs them): `[r // 2]`. None (unknown: rules that need it are refused) for any
+    other RoPE type, no RoPE, or dims paired otherwise (interleaved, as in GLM and Cohere).
+
+    Args:
+        config: the model config. layer_type: "full_attention" or "sliding_attention".
+        head_dim: the layer's head dim (default: the config's).
+    """
+    cfg = text_config(config)
+    params = rope_parameters(cfg, layer_type)
+    if params.get("rope_type", "default") != "default" or "rope_theta" not in params:
+        return None
+    if _rotation_layout(type(cfg).__module__) != "half":
+        return None
+    head_dim = head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    # GPT-J and CodeGen name the rotated dims directly (config.rotary_dim)
+    dim = getattr(cfg, "rotary_dim", None) or int(head_dim * partial_rotary_factor(cfg, layer_type))
+    if dim < 2 or dim % 2:
+        return None
+    return 1.0 / params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
