@@ -36,7 +36,9 @@ class Signals:
         inv_freq: the layer's RoPE inverse frequencies `[head_dim // 2]` (NaN if the model's RoPE is not the default
             kind); `queries` and keys are post-RoPE.
         budget: the number of slots the layer keeps (a Python int, fixed at compile time).
-        window: the observation window used for `window_attn` (a Python int, <= n).
+        window: the observation window, per row `[batch, 1, 1]` (long): how many of this call's real queries
+            `window_attn` sums over, `min(w, the row's real tokens)`. A tensor, not an int, so that padding a call
+            to a shape bucket (compiled calls) changes nothing a rule computes; it broadcasts against `[b, h, C]`.
     """
 
     attn: Tensor
@@ -52,7 +54,7 @@ class Signals:
     new_pos: Tensor
     inv_freq: Tensor
     budget: int
-    window: int
+    window: Tensor
 
     @property
     def step(self) -> Tensor:
