@@ -103,6 +103,10 @@ class BudgetLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.slots
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Every tensor the compiled kernel reads or writes in place (what `BudgetCache.mark_static` marks)."""
+        return self.keys, self.values, self.pos, self.state, self.norms, self.totals, self.seen, self.inv_freq
+
     def reset(self) -> None:
         self.keys.zero_()
         self.values.zero_()
@@ -232,6 +236,20 @@ class BudgetCache(Cache):
             self._frozen = False
             for layer in self._budgeted():
                 layer.keep = layer.budget
+
+    def mark_static(self) -> None:
+        """Mark every layer's tensors as inputs whose address never changes (`torch._dynamo.mark_static_address`),
+        so Inductor's CUDA graphs may write them in place (it skips CUDA graphs for a graph that mutates other
+        inputs). Unguarded: the decoder layers share one compiled region, each with its own cache tensors, so a
+        guard on the addresses would compile the region once per layer; instead CUDA graph trees record the region
+        once per layer (and re-record if a marked address ever changed). The tensors are allocated in `__init__`
+        and only written in place (`reset` included), so their addresses hold for the cache's life. Idempotent."""
+        if getattr(self, "static", False):
+            return
+        for layer in self.layers:
+            for t in layer.tensors():
+                torch._dynamo.mark_static_address(t, guard=False)
+        self.static = True
 
     def fits(self, n: int) -> bool:
         """Whether `n` more tokens fit in every budgeted layer without evicting anything."""

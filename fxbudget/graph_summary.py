@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from .api import _captured_graphs, kernel_fingerprint, model_cache
 from .backend import REWRITE_KEY
+from .fingerprint import FINGERPRINT_COVERS, captured_graphs, kernel_fingerprint
+from .model_cache import model_cache
 from .passes.sdpa import REGION_KEY
 from .rules import Rule, get
 
@@ -28,9 +29,13 @@ def kernel_regions(gm: fx.GraphModule) -> list[list[fx.Node]]:
     return regions
 
 
+RULE_BEGIN = "# ---- rule region: the rule's scoring ops (masked in the fingerprint) ----"
+RULE_END = "# ---- end of the rule region ----"
+
+
 def region_code(gm: fx.GraphModule, nodes: list[fx.Node]) -> str:
     """`nodes` as the code of a standalone graph: their outside inputs become arguments, values used after them
-    are returned."""
+    are returned. The rule's ops (`REGION_KEY` "rule") are framed by `RULE_BEGIN` and `RULE_END` comment lines."""
     inside = set(nodes)
     inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
     graph = fx.Graph()
@@ -38,7 +43,18 @@ def region_code(gm: fx.GraphModule, nodes: list[fx.Node]) -> str:
     for n in nodes:
         env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(tuple(env[n] for n in nodes if any(u not in inside for u in n.users)))
-    return fx.GraphModule(gm, graph).code.strip()
+    code = fx.GraphModule(gm, graph).code.strip()
+    rule_names = {env[n].name for n in nodes if n.meta.get(REGION_KEY) == "rule"}
+    lines, in_rule = [], False
+    for line in code.splitlines():
+        name = line.strip().split(" = ", 1)[0] if " = " in line else None
+        defines_rule = name is not None and any(v.strip() in rule_names for v in name.split(","))
+        if defines_rule != in_rule and (defines_rule or line.strip()):
+            indent = line[:len(line) - len(line.lstrip())]
+            lines.append(indent + (RULE_BEGIN if defines_rule else RULE_END))
+            in_rule = defines_rule
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def summary(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "snapkv", budget: int = 64,
@@ -55,7 +71,7 @@ def summary(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
     """
     rule = get(rule, **rule_params)
     cache = model_cache(model, rule, budget, input_ids.shape[0])
-    graphs = _captured_graphs(model, input_ids, rule, budget, cache, {})
+    graphs = captured_graphs(model, input_ids, rule, budget, cache, {})
     lines = [f"# rule {rule}, budget {budget}, {input_ids.shape[1]} traced tokens",
              "# layer  attention  kept slots  SDPA rewritten"]
     rewritten, untouched, regions = [], [], []
@@ -70,8 +86,9 @@ def summary(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
     names = f" ({', '.join(untouched)})" if untouched else ""
     lines.append(f"# SDPA calls found: {len(rewritten) + len(untouched)}, rewritten: {len(rewritten)}, left unchanged "
                  f"(not fed by a BudgetCache): {len(untouched)}{names}")
-    # The one definition of the fingerprint (its own trace: a call spanning query blocks, then a decode step).
-    lines.append(f"# kernel fingerprint (rule ops masked): {kernel_fingerprint(model, input_ids, rule=rule, budget=budget)}")
+    # The one definition of the fingerprint, the value `compare` records (its own trace, whatever was inspected).
+    lines.append(f"# kernel fingerprint: {kernel_fingerprint(model, rule=rule, budget=budget)}")
+    lines.append(f"#   (what every compare row records as kernel_fingerprint: {FINGERPRINT_COVERS})")
     if full:
         lines.append("# the whole rewritten graph:")
         lines += [gm.code.strip() for gm in graphs]
@@ -83,6 +100,7 @@ def summary(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
     gm = graphs[0] if len(graphs) == 1 else None
     if gm is None:
         raise ValueError("the forward traced into several graphs: use --full")
-    lines.append(f"# layer {layer}'s kernel (measure, the rule's ops, evict); --full prints the whole graph:")
+    lines.append(f"# layer {layer}'s kernel (measure, then the rule region between the marked lines, then evict); "
+                 "--full prints the whole graph:")
     lines.append(region_code(gm, regions[rewritten.index(layer)]))
     return "\n".join(lines)

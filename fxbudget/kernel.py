@@ -231,7 +231,8 @@ def signal_totals(totaled: tuple[Tensor, ...], acc: torch.dtype) -> Tensor:
 
 
 def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tensor:
-    """The only rule-specific ops: the final score of every candidate. `window` is already clamped to `n`.
+    """The only rule-specific ops: the final score of every candidate. `window` is already clamped to `n`; the
+    rule sees it per row as `Signals.window`, counted over real tokens only.
 
     Protected candidates score +inf and empty slots -inf, so selection needs nothing else from the rule.
     The rule must not write any tensor it is handed (refused, naming the op) and must return a floating score of
@@ -240,7 +241,11 @@ def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tenso
     cast to the signals' dtype (float32, float64 for float64 inputs) and ranked in float32 by `evict`: scores that
     differ only beyond float32's precision tie, and the newer candidate wins.
     """
-    s = Signals(*signals, budget=budget, window=window)
+    # The window as data, per row: how many of the call's real queries `window_attn` sums over. fxbudget's own
+    # pads (a call padded to a shape bucket) then change nothing a rule sees (an int would be `min(window, bucket)`).
+    new_pos = signals[SIGNAL_NAMES.index("new_pos")]
+    rows = (new_pos >= 0).sum(-1).clamp(max=window).view(-1, 1, 1)
+    s = Signals(*signals, budget=budget, window=rows)
     with NoMutation(rule, signals):
         score = rule.score(s)
         protect = rule.protect(s)

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .buckets import MAX_GRAPHS_PER_REGION
 from .cache import BudgetCache, BudgetLayer
 from .cache_arg import NAMES as _CACHE_KWARGS  # `cache` from transformers 5.24 on, `past_key_values` before
 
@@ -42,8 +43,10 @@ def _compile(fn: Callable, backend) -> Callable:
 
 
 def _strict():
-    """Past the recompile limit: an error, never a silent eager fallback (for fxbudget's own calls only)."""
-    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+    """Past the recompile limit: an error, never a silent eager fallback (for fxbudget's own calls only). The limit
+    is the number of graphs the shape buckets can need (`fxbudget.buckets.MAX_GRAPHS_PER_REGION`), not Dynamo's 8:
+    a region serves every bucket of both eviction modes."""
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=MAX_GRAPHS_PER_REGION)
 
 
 def _entry(forward, kwargs):

@@ -101,11 +101,27 @@ def test_bad_padding_mask_is_refused(mask, match):
     assert cache.tokens_seen == 0 and int((cache.positions(0) >= 0).sum()) == 0  # nothing changed
 
 
-def test_mask_must_match_the_cache():
+@pytest.mark.parametrize("width", [5, 6])  # the past part's 1s do not match row 0's pad; a mask of the wrong width
+def test_mask_must_match_the_cache(width):
     model = tiny_model("llama")
     m = fxbudget.compile(fresh(model), budget=8, backend=None)
     with torch.no_grad():
         out = m(input_ids=torch.ones(2, 3, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
+        # A call of several tokens reads its mask back once and checks it whole.
         with pytest.raises(ValueError, match="does not match the cache"):
-            m(input_ids=torch.ones(2, 1, dtype=torch.long), attention_mask=torch.ones(2, 4, dtype=torch.long),
+            m(input_ids=torch.ones(2, 2, dtype=torch.long), attention_mask=torch.ones(2, width, dtype=torch.long),
               past_key_values=out.past_key_values)
+
+
+def test_decode_step_reads_only_the_new_mask_column():
+    # A decode step reads nothing back (no host sync): its mask counts only in its new column, where a 0 masks the
+    # token out (never visible, never kept, the row's positions do not advance), as transformers treats a 0 there.
+    model = tiny_model("llama")
+    m = fxbudget.compile(fresh(model), budget=16, backend=None)
+    with torch.no_grad():
+        out = m(input_ids=torch.ones(2, 3, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))
+        cache = out.past_key_values
+        m(input_ids=torch.ones(2, 1, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]]),
+          past_key_values=cache)
+    assert cache.next_pos.tolist() == [3, 3] and cache.tokens_seen == 4
+    assert [sorted(p for p in cache.positions(0)[r, 0].tolist() if p >= 0) for r in range(2)] == [[0, 1, 2], [0, 1, 2]]

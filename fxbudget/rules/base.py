@@ -37,7 +37,9 @@ class Signals:
             kind); `queries` and keys are post-RoPE.
         v_slots, v_new: cached values `[batch, kv_heads, S, head_dim]` and this call's values (`values` joins them).
         budget: the number of slots the layer keeps (a Python int, fixed at compile time).
-        window: the observation window used for `window_attn` (a Python int, <= n).
+        window: the observation window, per row `[batch, 1, 1]` (long): how many of this call's real queries
+            `window_attn` sums over, `min(w, the row's real tokens)`. A tensor, not an int, so that padding a call
+            to a shape bucket (compiled calls) changes nothing a rule computes; it broadcasts against `[b, h, C]`.
     """
 
     attn: Tensor
@@ -55,7 +57,7 @@ class Signals:
     v_slots: Tensor
     v_new: Tensor
     budget: int
-    window: int
+    window: Tensor
 
     @property
     def step(self) -> Tensor:

@@ -1,0 +1,94 @@
+"""A model's `BudgetCache`: built for its config, dtype, per-layer devices and the rule's per-layer budgets, and the
+checks that a cache handed to a compiled forward was built that way."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .cache import BudgetCache, _layer_shapes
+from .rules import Rule
+
+
+def layer_budgets(rule: Rule, budget: int, config, prompt: int | None = None) -> list[int] | None:
+    """The rule's per-layer budgets for this model's full-attention layers (None = uniform), for a prefill of
+    `prompt` tokens when known."""
+    return rule.layer_budgets(budget, _layer_shapes(config)[4].count("full_attention"), prompt=prompt)
+
+
+def layer_devices(model: nn.Module) -> list[torch.device]:
+    """Where each decoder layer computes its keys, so where its cache slots must live: the device of the layer's
+    weights, or the execution device accelerate dispatches an offloaded layer to. A model on one device gives that
+    device for every layer; one loaded with `device_map="auto"` gives each layer its own.
+
+    Args:
+        model: a transformers causal LM (its `config` gives the number of layers).
+    Returns:
+        One `torch.device` per decoder layer.
+    Raises:
+        NotImplementedError: the model is spread over devices (`hf_device_map`) but its decoder layers cannot be
+            found (`model.get_decoder().layers`).
+    """
+    n_layers = _layer_shapes(model.config)[0]
+    first = next(model.parameters()).device
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is None or len(layers) != n_layers:
+        if len(set(map(str, (getattr(model, "hf_device_map", None) or {}).values()))) > 1:
+            raise NotImplementedError("this model is spread over devices (hf_device_map) but fxbudget cannot find its "
+                                      "decoder layers (model.get_decoder().layers) to put each layer's cache on its "
+                                      "device; load it on one device")
+        return [first] * n_layers
+    devices = []
+    for layer in layers:
+        executes = getattr(getattr(layer, "_hf_hook", None), "execution_device", None)  # accelerate offloading
+        p = next(layer.parameters(), None)
+        devices.append(torch.device(executes) if executes is not None else p.device if p is not None else first)
+    return devices
+
+
+def _where(devices: list[torch.device]) -> str:
+    return str(devices[0]) if len(set(devices)) == 1 else "layers' devices " + ", ".join(map(str, devices))
+
+
+def model_cache(model: nn.Module, rule: Rule, budget: int, batch_size: int = 1, *,
+                headroom: int = 0, prompt: int | None = None) -> BudgetCache:
+    """A fresh `BudgetCache` for `model` (its config, dtype and each layer's device, `layer_devices`) and `rule`'s
+    per-layer budgets, sized for a prefill of `prompt` tokens when given (schedules such as pyramidkv's adapt to it;
+    None = the fixed schedule)."""
+    if getattr(model, "config", None) is None:
+        raise ValueError("this model has no .config: pass a fxbudget.BudgetCache(config, budget) explicitly")
+    p = next(model.parameters())
+    cache = BudgetCache(model.config, budget, batch_size, dtype=p.dtype, device=layer_devices(model),
+                        headroom=headroom, layer_budgets=layer_budgets(rule, budget, model.config, prompt))
+    cache.sized_for_prompt = prompt  # what BudgetForward checks its layer budgets against
+    return cache
+
+
+def check_cache(cache: BudgetCache, model: nn.Module, rule: Rule, budget: int, batch: int) -> None:
+    """Raise a ValueError unless `cache` was built for `model`, `rule`'s per-layer budgets, `budget` and `batch`
+    rows, with the model's dtype and each layer's device."""
+    if cache.budget != budget:
+        raise ValueError(f"cache budget {cache.budget} differs from the compiled budget {budget}")
+    if cache.batch_size != batch:
+        raise ValueError(f"cache was built for batch size {cache.batch_size}, input has {batch}")
+    config = getattr(model, "config", None)
+    if config is not None and cache.signature != _layer_shapes(config):
+        raise ValueError("cache was built for another model (layers/heads/head_dim differ)")
+    if rule.needs_rope and not cache.has_rope:
+        raise ValueError(f"rule {rule.name!r} needs RoPE frequencies this cache does not have")
+    prompt = getattr(cache, "sized_for_prompt", None)  # None for an explicitly built cache: the fixed schedule
+    expected = layer_budgets(rule, budget, config, prompt) if config is not None else None
+    if expected is not None and cache.layer_budgets != expected:
+        raise ValueError(f"rule {rule.name!r} needs per-layer budgets {expected}; this cache has "
+                         f"{cache.layer_budgets}: build it with model.forward.new_cache() (new_cache(prompt=n) "
+                         "for a schedule sized for an n-token prompt) or BudgetCache(..., layer_budgets=...)")
+    p = next(model.parameters(), None)
+    if p is not None:
+        # Each layer's slots on that layer's device (one device, or several with device_map="auto").
+        devices = layer_devices(model) if config is not None else [p.device] * len(cache.devices)
+        if cache.dtype != p.dtype or cache.devices != devices:
+            raise ValueError(f"cache is {cache.dtype} on {_where(cache.devices)}, model is {p.dtype} on "
+                             f"{_where(devices)}; build it with model.forward.new_cache() or BudgetCache(..., "
+                             "dtype=, device=) matching the model (device=fxbudget.api.layer_devices(model): "
+                             "one per layer)")
