@@ -225,10 +225,9 @@ def _worker_fxbudget(job: dict) -> dict:
     model, tok = load_default(progress=False)
     rule, budget, chunk = job["rule"], job["budget"], job["chunk"]
     params = RULES[rule][0]
-    rule = fx_rule(rule)
     eos = model.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
-    model = fxbudget.compile(model, rule=rule, budget=budget, chunk_size=chunk, backend=None,
+    model = fxbudget.compile(model, rule=fx_rule(rule), budget=budget, chunk_size=chunk, backend=None,
                              headroom=job["headroom"], **params)
 
     def run(ctx_ids, q_ids, max_new):
