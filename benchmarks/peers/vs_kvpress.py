@@ -61,11 +61,15 @@ RULES = {
     "lagkv": ({}, "LagKVPress", {}),
     "cur": ({}, "CURPress", {}),
     # kvpress draws an unseeded Gaussian sketch per call (48 columns by default), fxbudget a fixed seeded one: the
-    # default rows compare two draws; with 64 columns (the head dimension) the leverage does not depend on the sketch.
+    # default rows compare two draws. With more columns than the head dimension (64) the leverage hardly depends on
+    # the sketch (exactly not, but for the 1e-2 jitter both add to the Gram matrix); with exactly 64 it still does:
+    # a square Gaussian sketch is ill-conditioned and the jitter then matters.
     "leverage": ({}, "LeverageScorePress", {}),
     "leverage@64": ({"sketch_dimension": 64}, "LeverageScorePress", {"sketch_dimension": 64}),
+    "leverage@128": ({"sketch_dimension": 128}, "LeverageScorePress", {"sketch_dimension": 128}),
     "compactor": ({}, "CompactorPress", {}),
     "compactor@64": ({"sketch_dimension": 64}, "CompactorPress", {"sketch_dimension": 64}),
+    "compactor@128": ({"sketch_dimension": 128}, "CompactorPress", {"sketch_dimension": 128}),
 }
 PEER_EAGER = {"observed_attention"}  # presses that read the attention weights: the peer model runs eager attention
 
@@ -225,10 +229,9 @@ def _worker_fxbudget(job: dict) -> dict:
     model, tok = load_default(progress=False)
     rule, budget, chunk = job["rule"], job["budget"], job["chunk"]
     params = RULES[rule][0]
-    rule = fx_rule(rule)
     eos = model.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
-    model = fxbudget.compile(model, rule=rule, budget=budget, chunk_size=chunk, backend=None,
+    model = fxbudget.compile(model, rule=fx_rule(rule), budget=budget, chunk_size=chunk, backend=None,
                              headroom=job["headroom"], **params)
 
     def run(ctx_ids, q_ids, max_new):
