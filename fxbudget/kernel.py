@@ -77,16 +77,19 @@ def measure(
         # Eagerly, a call on an empty cache (a prefill) skips its empty slots: they would add exact zeros. The
         # compiled graph cannot branch on data and computes them.
         live = 0
-    blk = _Block(k_slots[:, :, :live], v_slots[:, :, :live], slot_pos[..., :live], k_new, v_new, qpos.unsqueeze(1),
-                 scale, sliding, acc)
+    # bf16/fp16: the blocks compute in fp32 throughout, as flash attention accumulates (logits rounded to the input
+    # dtype first double the error against float64). The cost: an fp32 copy of the call's K/V (slots included).
+    kv = [x.to(acc) for x in (k_slots[:, :, :live], v_slots[:, :, :live], k_new, v_new)]
+    blk = _Block(kv[0], kv[1], slot_pos[..., :live], kv[2], kv[3], qpos.unsqueeze(1), scale, sliding, acc)
+    queries_acc = queries.to(acc)
     R = min(block or auto_block(b * q.shape[1], n, q.device), n)
     if n <= R:
-        out, sig_s, sig_n = blk(queries, qpos, weights, 0, n)
+        out, sig_s, sig_n = blk(queries_acc, qpos, weights, 0, n)
     elif traced:
-        out, sig_s, sig_n = _scan_blocks(blk, queries, qpos, weights, R)
+        out, sig_s, sig_n = _scan_blocks(blk, queries_acc, qpos, weights, R)
     else:
-        out, sig_s, sig_n = _loop_blocks(blk, queries, qpos, weights, R)
-    out = out.reshape(b, q.shape[1], n, -1)
+        out, sig_s, sig_n = _loop_blocks(blk, queries_acc, qpos, weights, R)
+    out = out.reshape(b, q.shape[1], n, -1).to(v_new.dtype)
     if live < S:
         sig_s = weights.new_zeros(b, h, 3, S)
 
@@ -110,6 +113,7 @@ class _Block:
     """
 
     def __init__(self, k_slots, v_slots, slot_pos, k_new, v_new, new_pos, scale, sliding, acc):
+        # Every float tensor (and the queries) in `acc`: fp32, or fp64 for fp64 inputs.
         self.k_slots, self.v_slots, self.slot_pos = k_slots, v_slots, slot_pos  # slot_pos: [b, h, S] int32
         self.k_new, self.v_new, self.new_pos = k_new, v_new, new_pos  # new_pos: [b, 1, n] int32
         self.scale, self.sliding, self.acc = scale, sliding, acc
@@ -125,7 +129,7 @@ class _Block:
         qs = qb * self.scale  # scaled once here ([queries, d]), not in the [queries, candidates] logits
 
         def logits(k: Tensor, kpos: Tensor) -> Tensor:
-            lg = (qs @ k.transpose(-1, -2)).to(self.acc).view(b, h, g, R, -1)
+            lg = (qs @ k.transpose(-1, -2)).view(b, h, g, R, -1)
             kp = kpos.unsqueeze(2).unsqueeze(2)  # [b, h or 1, 1, 1, candidates]
             vis = (kp >= 0) & (kp <= qp)
             if self.sliding:
@@ -146,8 +150,7 @@ class _Block:
         denom = es.sum(dim=-1, keepdim=True) + en.sum(dim=-1, keepdim=True)
         # The normalization is applied to the small results ([queries, d] and the weights), not to the probabilities.
         inv = 1.0 / denom.masked_fill(denom == 0, 1.0)  # [b, h, group * R, 1]
-        out = (es.to(self.v_slots.dtype) @ self.v_slots + en.to(self.v_new.dtype) @ self.v_new.narrow(2, c0, length))
-        out = out * inv.to(out.dtype)
+        out = (es @ self.v_slots + en @ self.v_new.narrow(2, c0, length)) * inv
         # The three weighted sums over (group member, query) in one matmul per part: one read of the probabilities.
         wg = weights.unsqueeze(2).expand(b, 3, g, R).reshape(b, 1, 3, gr) * inv.transpose(-1, -2)
         return out, wg @ es, wg @ en
@@ -287,7 +290,9 @@ def evict(
     # index goes first, so a call's pads are dropped before any empty slot and are never written.
     # Scores map to order-preserving int32 (flip the magnitude bits of negatives) and share an int64 with the
     # tie-breaker, so one top-k finds the `C - keep` candidates to drop: linear time, deterministic.
-    bits = score.float().view(torch.int32)
+    # -0.0 is mapped to +0.0 first: the two compare equal, so they must tie (the newer wins), not rank by sign bit.
+    score = score.float()
+    bits = torch.where(score == 0, 0.0, score).view(torch.int32)
     order_key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
     idx = torch.arange(C, device=dev)
     tie = torch.where(pos >= 0, pos + C, C - 1 - idx)
