@@ -14,7 +14,10 @@ export OMP_NUM_THREADS ?= 1
 TEST_WORKERS ?= 2
 PYTEST := -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: demo test test-newest install clean docs
+NEWEST_TORCH_VENV ?= .venv-newest-torch
+NEWEST_TORCH_BIN := $(NEWEST_TORCH_VENV)/bin
+
+.PHONY: demo test test-newest test-newest-torch install clean docs
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -59,5 +62,20 @@ docs: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,test,docs]"
 	$(BIN)/python -m mkdocs build --strict --site-dir build/site
 
+# The newest torch the registry has (everything else pinned by constraints.txt), with the `newest` subset and the
+# Inductor tests: a compile wall on a new torch shows here. Pip on some machines caps torch by its own config file,
+# so every pip call of this venv ignores it (PIP_CONFIG_FILE=/dev/null); the project is installed against a copy of
+# the constraints without the torch pin, so installing it does not pull torch back down.
+test-newest-torch:
+	test -x $(NEWEST_TORCH_BIN)/python || $(PY) -m venv $(NEWEST_TORCH_VENV)
+	PIP_CONFIG_FILE=/dev/null $(NEWEST_TORCH_BIN)/python -m pip install -q --upgrade pip
+	PIP_CONFIG_FILE=/dev/null $(NEWEST_TORCH_BIN)/python -m pip install -q --upgrade torch $(TORCH_PIP_ARGS)
+	grep -v '^torch==' constraints.txt > $(NEWEST_TORCH_VENV)/constraints.txt
+	PIP_CONFIG_FILE=/dev/null $(NEWEST_TORCH_BIN)/python -m pip install -q -c $(NEWEST_TORCH_VENV)/constraints.txt \
+		-e ".[test]"
+	$(NEWEST_TORCH_BIN)/python -c "import torch, transformers; print('test-newest-torch: torch', \
+		torch.__version__, 'transformers', transformers.__version__)"
+	$(NEWEST_TORCH_BIN)/python $(PYTEST) -m "newest or inductor"
+
 clean:
-	rm -rf $(VENV) $(NEWEST_VENV) *.egg-info build/site
+	rm -rf $(VENV) $(NEWEST_VENV) $(NEWEST_TORCH_VENV) *.egg-info build/site

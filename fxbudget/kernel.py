@@ -49,9 +49,10 @@ def measure(
     """Attention output `[batch, q_heads, n, head_dim]`, signal totals, then the signal tensors (`SIGNAL_NAMES`).
 
     The call's queries are processed in blocks of `block` positions (`attend_block`), so temporaries are
-    O(block x candidates), never O(n x candidates). A block skips the new tokens it cannot see (causally later ones,
-    and on sliding layers those before its window). `traced=True` (the graph pass) loops with a `scan` higher-order
-    op, so the compiled graph does not grow with `n`; eagerly it is a Python loop over the same `attend_block`.
+    O(block x candidates), never O(n x candidates). Eagerly (a Python loop over blocks) a block skips the new tokens
+    it cannot see (causally later ones, and on sliding layers those before its window). `traced=True` (the graph
+    pass) loops with a `scan` higher-order op of static shapes, so the compiled graph does not grow with `n` and
+    holds no host sync: there a full layer's block masks the later tokens instead of skipping them (`_scan_blocks`).
     """
     b, h, S, d = k_slots.shape
     n = k_new.shape[2]
@@ -76,16 +77,19 @@ def measure(
         # Eagerly, a call on an empty cache (a prefill) skips its empty slots: they would add exact zeros. The
         # compiled graph cannot branch on data and computes them.
         live = 0
-    blk = _Block(k_slots[:, :, :live], v_slots[:, :, :live], slot_pos[..., :live], k_new, v_new, qpos.unsqueeze(1),
-                 scale, sliding, acc)
+    # bf16/fp16: the blocks compute in fp32 throughout, as flash attention accumulates (logits rounded to the input
+    # dtype first double the error against float64). The cost: an fp32 copy of the call's K/V (slots included).
+    kv = [x.to(acc) for x in (k_slots[:, :, :live], v_slots[:, :, :live], k_new, v_new)]
+    blk = _Block(kv[0], kv[1], slot_pos[..., :live], kv[2], kv[3], qpos.unsqueeze(1), scale, sliding, acc)
+    queries_acc = queries.to(acc)
     R = min(block or auto_block(b * q.shape[1], n, q.device), n)
     if n <= R:
-        out, sig_s, sig_n = blk(queries, qpos, weights, 0, n)
+        out, sig_s, sig_n = blk(queries_acc, qpos, weights, 0, n)
     elif traced:
-        out, sig_s, sig_n = _scan_blocks(blk, queries, qpos, weights, R)
+        out, sig_s, sig_n = _scan_blocks(blk, queries_acc, qpos, weights, R)
     else:
-        out, sig_s, sig_n = _loop_blocks(blk, queries, qpos, weights, R)
-    out = out.reshape(b, q.shape[1], n, -1)
+        out, sig_s, sig_n = _loop_blocks(blk, queries_acc, qpos, weights, R)
+    out = out.reshape(b, q.shape[1], n, -1).to(v_new.dtype)
     if live < S:
         sig_s = weights.new_zeros(b, h, 3, S)
 
@@ -109,12 +113,10 @@ class _Block:
     """
 
     def __init__(self, k_slots, v_slots, slot_pos, k_new, v_new, new_pos, scale, sliding, acc):
+        # Every float tensor (and the queries) in `acc`: fp32, or fp64 for fp64 inputs.
         self.k_slots, self.v_slots, self.slot_pos = k_slots, v_slots, slot_pos  # slot_pos: [b, h, S] int32
         self.k_new, self.v_new, self.new_pos = k_new, v_new, new_pos  # new_pos: [b, 1, n] int32
         self.scale, self.sliding, self.acc = scale, sliding, acc
-
-    def tensors(self) -> tuple[Tensor, ...]:
-        return self.k_slots, self.v_slots, self.slot_pos, self.k_new, self.v_new, self.new_pos
 
     def __call__(self, qb: Tensor, qpos: Tensor, weights: Tensor, c0, c1):
         """`qb` `[b, h, group * R, d]` (group-major rows), `qpos` `[b, R]`, `weights` `[b, 3, R]`; new tokens
@@ -127,7 +129,7 @@ class _Block:
         qs = qb * self.scale  # scaled once here ([queries, d]), not in the [queries, candidates] logits
 
         def logits(k: Tensor, kpos: Tensor) -> Tensor:
-            lg = (qs @ k.transpose(-1, -2)).to(self.acc).view(b, h, g, R, -1)
+            lg = (qs @ k.transpose(-1, -2)).view(b, h, g, R, -1)
             kp = kpos.unsqueeze(2).unsqueeze(2)  # [b, h or 1, 1, 1, candidates]
             vis = (kp >= 0) & (kp <= qp)
             if self.sliding:
@@ -148,8 +150,7 @@ class _Block:
         denom = es.sum(dim=-1, keepdim=True) + en.sum(dim=-1, keepdim=True)
         # The normalization is applied to the small results ([queries, d] and the weights), not to the probabilities.
         inv = 1.0 / denom.masked_fill(denom == 0, 1.0)  # [b, h, group * R, 1]
-        out = (es.to(self.v_slots.dtype) @ self.v_slots + en.to(self.v_new.dtype) @ self.v_new.narrow(2, c0, length))
-        out = out * inv.to(out.dtype)
+        out = (es @ self.v_slots + en @ self.v_new.narrow(2, c0, length)) * inv
         # The three weighted sums over (group member, query) in one matmul per part: one read of the probabilities.
         wg = weights.unsqueeze(2).expand(b, 3, g, R).reshape(b, 1, 3, gr) * inv.transpose(-1, -2)
         return out, wg @ es, wg @ en
@@ -179,16 +180,16 @@ def _loop_blocks(blk: _Block, queries: Tensor, qpos: Tensor, weights: Tensor, R:
 def _visible_range(r0, r1, n: int, sliding: int):
     """New tokens `c0:c1` that queries `r0:r1` of a call may see: none after the block (causal) and, on a sliding
     layer, none `sliding` or more before its first query. Positions of a row's valid tokens are consecutive and
-    pads are never visible, so index distance is position distance. Ints, or tensors of block bounds."""
-    if isinstance(r0, Tensor):
-        return ((r0 - sliding + 1).clamp(min=0) if sliding else torch.zeros_like(r0)), r1.clamp(max=n)
+    pads are never visible, so index distance is position distance."""
     return (max(r0 - sliding + 1, 0) if sliding else 0), min(r1, n)
 
 
 def _scan_blocks(blk: _Block, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
     """Traced: the same blocks as one `scan` over blocks (Inductor lowers it to a loop), so the graph holds one
-    block's ops whatever `n`. Each block's visible range comes in as data (`item()`: unbacked sizes), so the
-    compiled kernel skips the triangle too. The queries are padded to whole blocks with pads (position -1)."""
+    block's ops whatever `n`. Every shape in the body is static and nothing in it is read back to the host: on a full
+    layer each block attends over all `n` new tokens, the causally later ones masked by position; on a sliding
+    layer over a band of `block + sliding - 1` new tokens ending at its last query, gathered at a data offset (a
+    gather, not a data-dependent size). The queries are padded to whole blocks with pads (position -1)."""
     b, h, S = blk.slot_pos.shape
     n = qpos.shape[1]
     g = queries.shape[2] // n
@@ -196,30 +197,42 @@ def _scan_blocks(blk: _Block, queries: Tensor, qpos: Tensor, weights: Tensor, R:
     pad = nb * R - n
     d = queries.shape[-1]
     q5 = F.pad(queries.view(b, h, g, n, d), (0, 0, 0, pad))
-    starts = torch.arange(nb, device=queries.device) * R
-    c0s, c1s = _visible_range(starts, starts + R, n, blk.sliding)
+    band = R + blk.sliding - 1 if blk.sliding else nb * R
+    lead = blk.sliding - 1 if band < nb * R else 0  # new tokens a block's band reaches before its first query
+    if lead:
+        # Pad the new tokens by `lead` invisible entries (position -1) in front, so block i's band is
+        # [i * R, i * R + band) of the padded tokens: in range for every block, no clamping.
+        k_new, v_new = (F.pad(x, (0, 0, lead, pad)) for x in (blk.k_new, blk.v_new))
+        new_pos = F.pad(blk.new_pos, (lead, pad), value=-1)
+    else:
+        band = n
+        k_new, v_new, new_pos = blk.k_new, blk.v_new, blk.new_pos
     # Block-major and contiguous: a scan traces its body on a contiguous slice, so every slice must be one.
     xs = [x.contiguous() for x in (
         q5.view(b, h, g, nb, R, d).permute(3, 0, 1, 2, 4, 5).reshape(nb, b, h, g * R, d),
         F.pad(qpos, (0, pad), value=-1).view(b, nb, R).transpose(0, 1),
         F.pad(weights, (0, pad)).view(b, 3, nb, R).permute(2, 0, 1, 3),
-        torch.stack([c0s, c1s - c0s], dim=-1))]
-    lengths = [c1 - c0 for c0, c1 in (_visible_range(i * R, (i + 1) * R, n, blk.sliding) for i in range(nb))]
+        torch.arange(nb, device=queries.device) * R)]
+    offsets = torch.arange(band, device=queries.device)
 
-    def body(sig_s, sig_n, qb, qp, wb, rng, *tensors):
+    def body(sig_s, sig_n, qb, qp, wb, start, k_slots, v_slots, slot_pos, kn, vn, np_, offs):
         # The slots and new tokens come in as the scan's additional inputs: a scan body may not close over tensors.
-        inner = _Block(*tensors, blk.scale, blk.sliding, blk.acc)
-        c0, length = rng[0].item(), rng[1].item()
-        # What is known of the block's range, so the compiler need not guard on data (e.g. for broadcasting).
-        torch._check(c0 >= 0)
-        torch._check(length >= min(lengths))
-        torch._check(length <= max(lengths))
-        torch._check(c0 + length <= n)
-        o, s_s, s_n = inner(qb, qp, wb, c0, c0 + length)
-        return sig_s + s_s, sig_n.slice_scatter(sig_n.narrow(-1, c0, length) + s_n, -1, c0, c0 + length), o
+        if lead:
+            idx = start + offs  # the block's band of padded new tokens: a data offset, a static length
+            kn, vn, np_ = kn.index_select(2, idx), vn.index_select(2, idx), np_.index_select(-1, idx)
+        inner = _Block(k_slots, v_slots, slot_pos, kn, vn, np_, blk.scale, blk.sliding, blk.acc)
+        o, s_s, s_n = inner(qb, qp, wb, 0, band)
+        if lead:
+            # Each index of the band once: a gather, an add and a scatter of distinct entries (deterministic).
+            s_n = sig_n.index_select(-1, idx) + s_n
+            return sig_s + s_s, sig_n.index_copy(-1, idx, s_n), o
+        return sig_s + s_s, sig_n + s_n, o
 
-    init = [weights.new_zeros(b, h, 3, S), weights.new_zeros(b, h, 3, n)]
-    sig_s, sig_n, ys = scan_op(body, init, xs, blk.tensors())
+    init = [weights.new_zeros(b, h, 3, S), weights.new_zeros(b, h, 3, lead + nb * R if lead else n)]
+    sig_s, sig_n, ys = scan_op(body, init, xs, (blk.k_slots, blk.v_slots, blk.slot_pos, k_new, v_new, new_pos,
+                                                offsets))
+    if lead:
+        sig_n = sig_n[..., lead:lead + n]
     dv = ys.shape[-1]
     out = ys.view(nb, b, h, g, R, dv).permute(1, 2, 3, 0, 4, 5).reshape(b, h, g, nb * R, dv)[:, :, :, :n]
     return out, sig_s, sig_n
@@ -282,7 +295,9 @@ def evict(
     # index goes first, so a call's pads are dropped before any empty slot and are never written.
     # Scores map to order-preserving int32 (flip the magnitude bits of negatives) and share an int64 with the
     # tie-breaker, so one top-k finds the `C - keep` candidates to drop: linear time, deterministic.
-    bits = score.float().view(torch.int32)
+    # -0.0 is mapped to +0.0 first: the two compare equal, so they must tie (the newer wins), not rank by sign bit.
+    score = score.float()
+    bits = torch.where(score == 0, 0.0, score).view(torch.int32)
     order_key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
     idx = torch.arange(C, device=dev)
     tie = torch.where(pos >= 0, pos + C, C - 1 - idx)

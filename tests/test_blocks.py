@@ -8,9 +8,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxbudget
 from fxbudget import rules
-from fxbudget.kernel import SIGNAL_NAMES, TOTALED, auto_block, budget_attention, measure
+from fxbudget.kernel import SIGNAL_NAMES, TOTALED, _Block, auto_block, budget_attention, measure
 from fxbudget.passes.sdpa import trace_kernel
-from conftest import fresh, greedy, tiny_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import COMMON, fresh, greedy, tiny_model
+from host_sync import HostSyncError, NoHostSync, graph_host_syncs
 
 F64 = dict(dtype=torch.float64)
 
@@ -114,32 +117,80 @@ def test_temporaries_are_bounded_by_the_block(sliding):
     assert sizes[n] >= b * h * g * n * n // 2  # one block: quadratic (the check above can fail)
 
 
-def _trace_inputs(n, block, sliding=0):
-    inputs = {k: v.float() if v.is_floating_point() else v for k, v in _call(n=n, left_pads=(0, 3)).items()}
+def _trace_inputs(n, block, sliding=0, h=2, g=3):
+    inputs = {k: v.float() if v.is_floating_point() else v
+              for k, v in _call(h=h, g=g, n=n, left_pads=(0, 3)).items()}
     return inputs, trace_kernel(inputs, rules.get("h2o"), budget=7, keep=7, sliding=sliding, window=4, scale=None,
                                 block=block)
 
 
+_MEASURE_INPUTS = ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new", "new_pos", "inv_freq")
+
+
+@pytest.mark.parametrize("h, g", [(2, 3), (1, 6)])  # GQA, and one KV head (MQA)
 @pytest.mark.parametrize("sliding", [0, 6])
-def test_traced_scan_equals_eager_loop(sliding):
+def test_traced_scan_equals_eager_loop(sliding, h, g):
     """The graph pass traces measure's blocks as one scan; run on real tensors it equals the eager Python loop."""
-    inputs, kt = _trace_inputs(29, 4, sliding)
-    args = [inputs[k] for k in ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new",
-                                "new_pos", "inv_freq")]
+    inputs, kt = _trace_inputs(29, 4, sliding, h, g)
+    args = [inputs[k] for k in _MEASURE_INPUTS]
     traced = kt.measure(*args)
     eager = measure(*args, window=4, sliding=sliding, scale=None, block=4)
     for name, a, e in zip(("out", "totals", *SIGNAL_NAMES), traced, eager):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_traced_graph_does_not_grow_with_the_call():
-    """The compiled measure phase holds one block's ops whatever n (a scan), not an unrolled loop."""
-    def count(gm):
-        return sum(1 for _ in gm.graph.nodes) + sum(count(m) for m in gm.children() if isinstance(m, torch.fx.GraphModule))
+def _count(gm):
+    return sum(1 for _ in gm.graph.nodes) + sum(_count(m) for m in gm.children() if isinstance(m, torch.fx.GraphModule))
 
-    sizes = {n: count(_trace_inputs(n, 4)[1].measure) for n in (9, 29, 61)}
+
+@pytest.mark.parametrize("h, g", [(2, 3), (1, 6)])
+@pytest.mark.parametrize("sliding", [0, 6])
+def test_traced_graph_does_not_grow_with_the_call(sliding, h, g):
+    """The compiled measure phase holds one block's ops whatever n (a scan), not an unrolled loop."""
+    sizes = {n: _count(_trace_inputs(n, 4, sliding, h, g)[1].measure) for n in (9, 29, 61)}
     assert len(set(sizes.values())) == 1, sizes
     assert any(n.target is torch.ops.higher_order.scan for n in _trace_inputs(9, 4)[1].measure.graph.nodes)
+
+
+@pytest.mark.parametrize("h, g", [(2, 3), (1, 6)])
+@pytest.mark.parametrize("sliding", [0, 6, 40])  # 40: the band covers the whole call
+def test_query_block_has_no_host_sync(sliding, h, g):
+    """Nothing in a query block (the scan body) nor elsewhere in the traced kernel reads a tensor back to the host:
+    no `.item()`/`.tolist()`, no data-dependent branch, no unbacked (data-dependent) size; run on real tensors, the
+    traced measure phase syncs nothing either."""
+    inputs, kt = _trace_inputs(29, 4, sliding, h, g)
+    inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
+    scans = [n for n in kt.measure.graph.nodes if n.target is torch.ops.higher_order.scan]
+    assert len(scans) == 1
+    for phase in (kt.measure, kt.rule, kt.evict):
+        assert graph_host_syncs(phase) == []
+    b, n, d = 2, 29, 8
+    qpos = inputs["new_pos"].to(torch.int32)
+    blk = _Block(inputs["k_slots"], inputs["v_slots"], inputs["pos_slots"].to(torch.int32), inputs["k_new"],
+                 inputs["v_new"], qpos.unsqueeze(1), 0.3, sliding, torch.float32)
+    queries = inputs["q"].reshape(b, h, g * n, d)
+    with NoHostSync():
+        blk(queries, qpos, torch.ones(b, 3, n), 0, n)
+
+
+def test_host_sync_finder_sees_item():
+    """The finder the test above relies on catches what the old scan body did (`.item()` block bounds)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxbudget.passes.sdpa import _trace
+
+    def body(x, r):
+        return x.narrow(0, r[0].item(), 2) * 2
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        fakes = [torch.empty(8), torch.zeros(1, dtype=torch.long)]
+    found = graph_host_syncs(_trace(body, fakes, mode))
+    assert any("_local_scalar_dense" in f for f in found), found
+    with pytest.raises(HostSyncError, match="tolist"), NoHostSync():
+        torch.arange(3).tolist()
 
 
 def test_bad_block():
@@ -170,14 +221,26 @@ def test_model_in_blocks_equals_one_block(backend):
         assert torch.equal(cache.positions(i), ref_cache.positions(i)), i
 
 
+def _model(arch: str):
+    """conftest's tiny models, plus "llama-mqa": tiny Llama with one KV head (a group of every query head)."""
+    if arch != "llama-mqa":
+        return tiny_model(arch)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **{**COMMON, "num_key_value_heads": 1})).eval()
+
+
 @pytest.mark.inductor
-def test_inductor_blocks_equal_eager():
-    """Inductor compiles the scan (a while_loop with data-dependent block bounds) to the eager loop's result."""
-    model = tiny_model("gemma3")
-    ids = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(4))
+@pytest.mark.parametrize("arch, n, block", [("gemma3", 30, 7), ("llama-mqa", 200, 32)])
+def test_inductor_blocks_equal_eager(arch, n, block):
+    """Inductor compiles the scan over query blocks (several blocks; sliding and full layers; GQA and one KV head) to
+    the eager loop's result."""
+    model = _model(arch)
+    ids = torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        ref, ref_cache = greedy(fxbudget.compile(fresh(model), rule="h2o", budget=12, backend=None, block=7), ids, 2)
-        got, cache = greedy(fxbudget.compile(fresh(model), rule="h2o", budget=12, backend="inductor", block=7), ids, 2)
+        ref, ref_cache = greedy(fxbudget.compile(fresh(model), rule="h2o", budget=12, backend=None, block=block),
+                                ids, 2)
+        got, cache = greedy(fxbudget.compile(fresh(model), rule="h2o", budget=12, backend="inductor", block=block),
+                            ids, 2)
     assert (got - ref).abs().max().item() <= 1e-4
     for i in range(len(cache.layers)):
         assert torch.equal(cache.positions(i), ref_cache.positions(i)), i

@@ -217,3 +217,21 @@ def test_inductor_layer_evicts_like_eager(rule):
     for name in ("keys", "values", "state", "norms", "totals"):
         torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-5, atol=1e-5, msg=name)
     assert int((b.pos >= 0).sum()) == 2 * 8  # each KV head kept 8 of its 11 candidates
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_signed_zero_scores_tie_and_the_newer_wins(compiled):
+    """-0.0 == +0.0, so zero scores of either sign tie and the newer positions are kept (the sign bit used to rank
+    -0.0 below +0.0: older +0.0 tokens beat newer -0.0 ones)."""
+    from fxbudget.kernel import evict
+
+    b, h, S, n, d = 1, 2, 4, 3, 8
+    pos = torch.cat([torch.tensor([[3, 0, 2, 1]] * h), torch.tensor([[4, 5, 6]] * h)], dim=-1).unsqueeze(0)
+    score = torch.where(pos >= 4, -0.0, 0.0).float()  # the new (newer) tokens score -0.0, the slots +0.0
+    assert torch.signbit(score[..., S:]).all()
+    slots = [torch.randn(b, h, S, d), torch.randn(b, h, S, d), pos[..., :S].clone(), torch.zeros(b, h, S),
+             torch.zeros(b, h, S, 2), torch.zeros(b, h, 7)]
+    signals = [pos, torch.zeros(b, h, S + n), torch.ones(b, h, S + n), torch.ones(b, h, S + n), torch.zeros(b, h, 7)]
+    fn = torch.compile(evict, backend="aot_eager", fullgraph=True) if compiled else evict
+    fn(score, *signals, *slots, torch.randn(b, h, n, d), torch.randn(b, h, n, d), keep=S)
+    assert sorted(slots[2][0, 0].tolist()) == [3, 4, 5, 6] and sorted(slots[2][0, 1].tolist()) == [3, 4, 5, 6]
