@@ -66,13 +66,17 @@ docs: $(VENV)/.installed
 # Inductor tests: a compile wall on a new torch shows here. Pip on some machines caps torch by its own config file,
 # so every pip call of this venv ignores it (PIP_CONFIG_FILE=/dev/null); the project is installed against a copy of
 # the constraints without the torch pin, so installing it does not pull torch back down.
-test-newest-torch:
+$(NEWEST_TORCH_VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(NEWEST_TORCH_BIN)/python || $(PY) -m venv $(NEWEST_TORCH_VENV)
 	PIP_CONFIG_FILE=/dev/null $(NEWEST_TORCH_BIN)/python -m pip install -q --upgrade pip
 	PIP_CONFIG_FILE=/dev/null $(NEWEST_TORCH_BIN)/python -m pip install -q --upgrade torch $(TORCH_PIP_ARGS)
 	grep -v '^torch==' constraints.txt > $(NEWEST_TORCH_VENV)/constraints.txt
 	PIP_CONFIG_FILE=/dev/null $(NEWEST_TORCH_BIN)/python -m pip install -q -c $(NEWEST_TORCH_VENV)/constraints.txt \
 		-e ".[test]"
+	touch $@
+
+# (`.ci/run` builds this venv in the background while the pinned suite runs: the torch download is most of it.)
+test-newest-torch: $(NEWEST_TORCH_VENV)/.installed
 	$(NEWEST_TORCH_BIN)/python -c "import torch, transformers; print('test-newest-torch: torch', \
 		torch.__version__, 'transformers', transformers.__version__)"
 	$(NEWEST_TORCH_BIN)/python $(PYTEST) -m "newest or inductor"
