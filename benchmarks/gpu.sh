@@ -5,7 +5,17 @@
 #
 #     bash benchmarks/gpu.sh            # every step; writes results/gpu.md
 #     PY=/path/to/python bash benchmarks/gpu.sh
-#     GPU_STEPS=cross bash benchmarks/gpu.sh   # only step 4 (default GPU_STEPS="layer long cross compile": every step)
+#     GPU_STEPS=cross bash benchmarks/gpu.sh   # only step 4 (default GPU_STEPS="tests compare long cross layer
+#                                              # compile": every step, in that order, the quick checks first)
+#
+# Step 0 (issue 20, items 3 and 6; ~2 min): the CUDA test subset (`pytest -m cuda`: no host sync in a warm decode
+# step under torch.cuda.set_sync_debug_mode("error"), CUDA graphs engaging for generate() with cudagraphs=True and
+# Inductor's cudagraph_or_error, bf16 bucketed generate() equal to the eager path), then the host-sync and
+# recompile-wall tests on the device's torch.
+#
+# Step 0b (issue 20, item 1; ~10 min): `fxbudget compare --device cuda --dtype bfloat16` on the embedded model at
+# 8K and 32K tokens (passkey, 2 samples, four rules at B = 256 and 1024, Inductor): the main job on a GPU. Reports
+# go to benchmarks/results/gpu_compare/<length>/ (commit them).
 #
 # Step 6 (issue 10, items 1 and 4; needs the embedded model; ~10 min, cold Inductor compiles): compile time of the
 # embedded model for one rule (fxbudget's per-layer regions, prefill-chunk + decode graphs, cold then warm,
@@ -40,7 +50,31 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$TMP/inductor}
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))"
 SECONDS=0
-STEPS=${GPU_STEPS:-layer long cross compile}
+STEPS=${GPU_STEPS:-tests compare long cross layer compile}
+: > "$TMP/tests.md"; : > "$TMP/compare.md"
+if [[ " $STEPS " == *" tests "* ]]; then
+  # 0. The CUDA tests, then the CPU-side guards they complement, on this machine's torch.
+  { echo "# CUDA tests"; echo; echo '```';
+    timeout 300 "$PY" -m pytest -q -p no:xdist -ra -m cuda tests/ 2>&1 | tail -15 || true
+    timeout 300 "$PY" -m pytest -q -p no:xdist -ra tests/test_host_sync.py tests/test_recompile.py 2>&1 | tail -8 || true
+    echo '```'; } > "$TMP/tests.md"
+fi
+if [[ " $STEPS " == *" compare "* ]]; then
+  # 0b. The main job on the GPU: compare in bf16 at 8K and 32K (the embedded model's context is 32K).
+  { echo "# compare on CUDA, bf16"; echo;
+    for len in 8000 32000; do
+      out=benchmarks/results/gpu_compare/$len
+      if timeout 420 "$PY" -m fxbudget compare --device cuda --dtype bfloat16 --backend inductor --tasks passkey \
+          --lengths $len --samples 2 --rules snapkv,streamingllm,h2o,knorm --budgets 256,1024 --quiet \
+          --out "$out" > "$TMP/compare-$len.log" 2>&1; then
+        echo "## $len tokens"; echo; tail -3 "$TMP/compare-$len.log"; echo
+        [[ -f $out/report.md ]] && sed 's/^# /### /' "$out/report.md"
+      else
+        echo "compare at $len failed or timed out:"; echo '```'; tail -20 "$TMP/compare-$len.log"; echo '```'
+      fi
+      echo
+    done; } > "$TMP/compare.md"
+fi
 : > "$TMP/overhead.md"; : > "$TMP/cve.md"; : > "$TMP/fair.md"; : > "$TMP/cross.md"; : > "$TMP/long.md"
 : > "$TMP/compile.md"; : > "$TMP/deploy.md"
 if [[ " $STEPS " == *" layer "* ]]; then
@@ -81,7 +115,7 @@ cross_device() {
 if [[ " $STEPS " == *" cross "* ]]; then cross_device > "$TMP/cross.md"; fi  # progress goes to stderr
 if [[ " $STEPS " == *" long "* ]]; then
   # 5. Long context (issue 9).
-  timeout 420 "$PY" benchmarks/long_context.py --device cuda --dtype bfloat16 --lengths 32768,65536,131072 \
+  timeout 420 "$PY" benchmarks/long_context.py --device cuda --dtype bfloat16 --lengths 8192,32768,65536,131072 \
       --sides full,eager,inductor --out "$TMP/long.md" || echo "long_context.py failed or timed out" > "$TMP/long.md"
 fi
 if [[ " $STEPS " == *" compile "* ]]; then
@@ -95,7 +129,7 @@ fi
   echo "# GPU run"
   echo
   echo "Command: \`GPU_STEPS=\"$STEPS\" bash benchmarks/gpu.sh\`; total ${SECONDS} s. Sections below are the scripts' own outputs."
-  for f in overhead cve fair cross long compile deploy; do
+  for f in tests compare overhead cve fair cross long compile deploy; do
     if [[ -s "$TMP/$f.md" ]]; then echo; sed 's/^# /## /' "$TMP/$f.md"; fi
   done
 } > "$OUT"

@@ -87,7 +87,7 @@ def summary(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
     lines.append(f"# SDPA calls found: {len(rewritten) + len(untouched)}, rewritten: {len(rewritten)}, left unchanged "
                  f"(not fed by a BudgetCache): {len(untouched)}{names}")
     # The one definition of the fingerprint, the value `compare` records (its own trace, whatever was inspected).
-    lines.append(f"# kernel fingerprint: {kernel_fingerprint(model, rule=rule, budget=budget)}")
+    lines.append(f"# kernel fingerprint (rule ops masked): {kernel_fingerprint(model, rule=rule, budget=budget)}")
     lines.append(f"#   (what every compare row records as kernel_fingerprint: {FINGERPRINT_COVERS})")
     if full:
         lines.append("# the whole rewritten graph:")

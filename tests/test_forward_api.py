@@ -38,7 +38,7 @@ def test_inspect_prints_the_fingerprint_compare_records(rule):
     text = summary(model, ids, rule=rule, budget=64)
     # What the compare runner records for every row (harness/runner.py: 8 zeros, its largest absolute budget).
     recorded = fxbudget.kernel_fingerprint(model, torch.zeros(1, 8, dtype=torch.long), rule=rule, budget=1024)
-    assert f"# kernel fingerprint: {recorded}" in text
+    assert f"# kernel fingerprint (rule ops masked): {recorded}" in text
     assert recorded == fxbudget.kernel_fingerprint(model, rule=rule, budget=64)  # the default probe: one definition
     assert "what every compare row records" in text
 
