@@ -8,15 +8,12 @@ import torch
 from torch import fx
 
 from .kernel import DEFAULT_BLOCK, DEFAULT_WINDOW
+from .marker import NoBudgetAttentionError
 from .passes.sdpa import rewrite
 from .rules import Rule, get
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 REWRITE_KEY = "fxbudget_rewrite"  # gm.meta key of the pass's RewriteReport (layers rewritten, SDPA left alone)
-
-
-class NoBudgetAttentionError(RuntimeError):
-    """The traced graph has no SDPA call fed by a BudgetCache."""
 
 
 def kernel_window(rule: Rule) -> int:

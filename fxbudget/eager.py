@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .kernel import DEFAULT_BLOCK, budget_attention
-from .marker import MARKER_TENSORS
+from .marker import MARKER_TENSORS, NoBudgetAttentionError
 from .rules.base import Rule
 from .sdpa_args import bind, check
 
@@ -62,11 +62,26 @@ class BudgetAttentionMode(TorchFunctionMode):
             call = getattr(bound["key"], "_fxbudget", None)
             if call is not None:
                 return run_kernel(bound["query"], call, check(bound), self)
+            for name in ("key", "value"):
+                lost = getattr(bound[name], "_fxbudget_lost", None)
+                if lost is not None:  # the compiled pass refuses the same graph (passes.sdpa.refuse_unbudgeted)
+                    raise NoBudgetAttentionError(
+                        f"layer {lost[0]}: scaled_dot_product_attention reads the BudgetCache's {name}s through "
+                        f"`{lost[1]}`, an op fxbudget does not follow (it follows views, slicing, expand/reshape, "
+                        ".to and repeat_interleave); refused rather than run that layer without its budget")
         out = func(*args, **kwargs)
-        if func in _PASS_THROUGH and isinstance(out, torch.Tensor) and args:
-            call = getattr(args[0], "_fxbudget", None)
-            if call is not None:
+        if isinstance(out, torch.Tensor) and args:
+            src = args[0]
+            call = getattr(src, "_fxbudget", None)
+            if call is not None and func in _PASS_THROUGH:
                 out._fxbudget = call
+            elif call is not None:  # the link to the cache is lost here: remember where, for the error above
+                if out is src:  # an identity (`.float()` of fp32): a fresh view carries the mark, not the marker
+                    with torch._C.DisableTorchFunctionSubclass():
+                        out = out.view_as(out)
+                out._fxbudget_lost = (call.layer, getattr(func, "__name__", str(func)))
+            elif getattr(src, "_fxbudget_lost", None) is not None:
+                out._fxbudget_lost = src._fxbudget_lost
         return out
 
 

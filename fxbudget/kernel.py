@@ -344,8 +344,8 @@ def auto_block(rows: int, n: int, device: torch.device) -> int:
 
 
 def check_block(block) -> None:
-    """`block` is None (`auto_block`) or an int >= 2: the compiled loop's block bounds are data, and a block of one
-    query would leave the compiler unable to tell a one-token range from a broadcast (nor is it ever useful)."""
+    """`block` is None (`auto_block`) or an int >= 2 (a block of one query is one loop step per token: never
+    useful)."""
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 2):
         raise ValueError(f"block must be None (automatic) or an int >= 2 (queries per block of the measure phase), "
                          f"got {block!r}")

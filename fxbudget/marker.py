@@ -13,6 +13,11 @@ import torch
 from torch import Tensor
 
 
+class NoBudgetAttentionError(RuntimeError):
+    """Attention fed by a BudgetCache that fxbudget cannot budget: none in the traced graph, or an SDPA call (or
+    another op) reading a layer's cached keys/values through an op the SDPA pass does not follow."""
+
+
 @torch.library.custom_op("fxbudget::candidates", mutates_args=())
 def candidates(
     k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,

@@ -1,6 +1,7 @@
 """The rewritten graphs: one shared kernel for every rule, what is rewritten and what is left alone."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from expecttest import assert_expected_inline
 
 import fxbudget
 from conftest import tiny_model
-from tiny_attention import CONFIG, OneLayer
+from tiny_attention import CONFIG, OneLayer, Output
 
 
 def _ids(n=6):
@@ -301,19 +302,22 @@ def forward(self, L_forward_self_modules_emb_parameters_weight_ : torch.nn.param
     masked_fill_2 = torch.ops.aten.masked_fill.Scalar(neg, isnan, -inf);  neg = isnan = None
     lt = torch.ops.aten.lt.Scalar(cat, 0)
     masked_fill_3 = torch.ops.aten.masked_fill.Scalar(masked_fill_2, lt, -inf);  masked_fill_2 = lt = None
-    view_21 = torch.ops.aten.view.dtype(masked_fill_3, torch.int32);  masked_fill_3 = None
+    eq_3 = torch.ops.aten.eq.Scalar(masked_fill_3, 0)
+    scalar_tensor = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
+    where = torch.ops.aten.where.self(eq_3, scalar_tensor, masked_fill_3);  eq_3 = scalar_tensor = masked_fill_3 = None
+    view_21 = torch.ops.aten.view.dtype(where, torch.int32);  where = None
     detach = torch.ops.aten.detach.default(view_21);  view_21 = None
     ge_3 = torch.ops.aten.ge.Scalar(detach, 0)
     bitwise_xor = torch.ops.aten.bitwise_xor.Scalar(detach, 2147483647)
-    where = torch.ops.aten.where.self(ge_3, detach, bitwise_xor);  ge_3 = detach = bitwise_xor = None
-    _to_copy_4 = torch.ops.aten._to_copy.default(where, dtype = torch.int64);  where = None
+    where_1 = torch.ops.aten.where.self(ge_3, detach, bitwise_xor);  ge_3 = detach = bitwise_xor = None
+    _to_copy_4 = torch.ops.aten._to_copy.default(where_1, dtype = torch.int64);  where_1 = None
     arange_1 = torch.ops.aten.arange.default(7, device = device(type='cpu'), pin_memory = False)
     ge_4 = torch.ops.aten.ge.Scalar(cat, 0)
     add_4 = torch.ops.aten.add.Tensor(cat, 7)
     rsub = torch.ops.aten.rsub.Scalar(arange_1, 6)
-    where_1 = torch.ops.aten.where.self(ge_4, add_4, rsub);  ge_4 = add_4 = rsub = None
+    where_2 = torch.ops.aten.where.self(ge_4, add_4, rsub);  ge_4 = add_4 = rsub = None
     mul_4 = torch.ops.aten.mul.Tensor(_to_copy_4, 4294967296);  _to_copy_4 = None
-    add_5 = torch.ops.aten.add.Tensor(mul_4, where_1);  mul_4 = where_1 = None
+    add_5 = torch.ops.aten.add.Tensor(mul_4, where_2);  mul_4 = where_2 = None
     topk = torch.ops.aten.topk.default(add_5, 3, -1, False);  add_5 = None
     getitem_3 = topk[1];  topk = None
     zeros_like = torch.ops.aten.zeros_like.default(cat, dtype = torch.bool, pin_memory = False)
@@ -323,15 +327,15 @@ def forward(self, L_forward_self_modules_emb_parameters_weight_ : torch.nn.param
     bitwise_not_2 = torch.ops.aten.bitwise_not.default(slice_5);  slice_5 = None
     slice_6 = torch.ops.aten.slice.Tensor(arange_1, 0, 0, 4)
     rsub_1 = torch.ops.aten.rsub.Scalar(slice_6, 4);  slice_6 = None
-    scalar_tensor = torch.ops.aten.scalar_tensor.default(0, dtype = torch.int64, layout = torch.strided, device = device(type='cpu'))
-    where_2 = torch.ops.aten.where.self(slice_4, rsub_1, scalar_tensor);  rsub_1 = scalar_tensor = None
-    topk_1 = torch.ops.aten.topk.default(where_2, 3);  where_2 = None
+    scalar_tensor_1 = torch.ops.aten.scalar_tensor.default(0, dtype = torch.int64, layout = torch.strided, device = device(type='cpu'))
+    where_3 = torch.ops.aten.where.self(slice_4, rsub_1, scalar_tensor_1);  rsub_1 = scalar_tensor_1 = None
+    topk_1 = torch.ops.aten.topk.default(where_3, 3);  where_3 = None
     getitem_5 = topk_1[1];  topk_1 = None
     slice_7 = torch.ops.aten.slice.Tensor(arange_1, 0, 0, 3);  arange_1 = None
     rsub_2 = torch.ops.aten.rsub.Scalar(slice_7, 3);  slice_7 = None
-    scalar_tensor_1 = torch.ops.aten.scalar_tensor.default(0, dtype = torch.int64, layout = torch.strided, device = device(type='cpu'))
-    where_3 = torch.ops.aten.where.self(bitwise_not_2, rsub_2, scalar_tensor_1);  rsub_2 = scalar_tensor_1 = None
-    topk_2 = torch.ops.aten.topk.default(where_3, 3);  where_3 = None
+    scalar_tensor_2 = torch.ops.aten.scalar_tensor.default(0, dtype = torch.int64, layout = torch.strided, device = device(type='cpu'))
+    where_4 = torch.ops.aten.where.self(bitwise_not_2, rsub_2, scalar_tensor_2);  rsub_2 = scalar_tensor_2 = None
+    topk_2 = torch.ops.aten.topk.default(where_4, 3);  where_4 = None
     getitem_7 = topk_2[1];  topk_2 = None
     arange_2 = torch.ops.aten.arange.default(3, device = device(type='cpu'), pin_memory = False)
     sum_10 = torch.ops.aten.sum.dim_IntList(bitwise_not_2, [-1], True);  bitwise_not_2 = None
@@ -343,42 +347,42 @@ def forward(self, L_forward_self_modules_emb_parameters_weight_ : torch.nn.param
     unsqueeze_7 = torch.ops.aten.unsqueeze.default(lt_1, -1)
     index = torch.ops.aten.index.Tensor(k, [view_22, view_23, getitem_7]);  k = None
     index_1 = torch.ops.aten.index.Tensor(l_kwargs_past_key_values_layers_0_keys, [view_22, view_23, getitem_5])
-    where_4 = torch.ops.aten.where.self(unsqueeze_7, index, index_1);  unsqueeze_7 = index = index_1 = None
-    index_put_ = torch.ops.aten.index_put_.default(l_kwargs_past_key_values_layers_0_keys, [view_22, view_23, getitem_5], where_4);  l_kwargs_past_key_values_layers_0_keys = where_4 = index_put_ = None
+    where_5 = torch.ops.aten.where.self(unsqueeze_7, index, index_1);  unsqueeze_7 = index = index_1 = None
+    index_put_ = torch.ops.aten.index_put_.default(l_kwargs_past_key_values_layers_0_keys, [view_22, view_23, getitem_5], where_5);  l_kwargs_past_key_values_layers_0_keys = where_5 = index_put_ = None
     unsqueeze_8 = torch.ops.aten.unsqueeze.default(lt_1, -1)
     index_2 = torch.ops.aten.index.Tensor(v, [view_22, view_23, getitem_7]);  v = None
     index_3 = torch.ops.aten.index.Tensor(l_kwargs_past_key_values_layers_0_values, [view_22, view_23, getitem_5])
-    where_5 = torch.ops.aten.where.self(unsqueeze_8, index_2, index_3);  unsqueeze_8 = index_2 = index_3 = None
-    index_put__1 = torch.ops.aten.index_put_.default(l_kwargs_past_key_values_layers_0_values, [view_22, view_23, getitem_5], where_5);  l_kwargs_past_key_values_layers_0_values = view_22 = view_23 = where_5 = index_put__1 = None
+    where_6 = torch.ops.aten.where.self(unsqueeze_8, index_2, index_3);  unsqueeze_8 = index_2 = index_3 = None
+    index_put__1 = torch.ops.aten.index_put_.default(l_kwargs_past_key_values_layers_0_values, [view_22, view_23, getitem_5], where_6);  l_kwargs_past_key_values_layers_0_values = view_22 = view_23 = where_6 = index_put__1 = None
     masked_fill_4 = torch.ops.aten.masked_fill.Scalar(l_kwargs_past_key_values_layers_0_pos, slice_4, -1)
     slice_8 = torch.ops.aten.slice.Tensor(cat, 2, 4, 9223372036854775807);  cat = None
     gather = torch.ops.aten.gather.default(slice_8, -1, getitem_7);  slice_8 = None
     gather_1 = torch.ops.aten.gather.default(masked_fill_4, -1, getitem_5)
-    where_6 = torch.ops.aten.where.self(lt_1, gather, gather_1);  gather = gather_1 = None
-    scatter_1 = torch.ops.aten.scatter.src(masked_fill_4, -1, getitem_5, where_6);  masked_fill_4 = where_6 = None
+    where_7 = torch.ops.aten.where.self(lt_1, gather, gather_1);  gather = gather_1 = None
+    scatter_1 = torch.ops.aten.scatter.src(masked_fill_4, -1, getitem_5, where_7);  masked_fill_4 = where_7 = None
     copy_ = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_pos, scatter_1);  l_kwargs_past_key_values_layers_0_pos = scatter_1 = copy_ = None
     slice_9 = torch.ops.aten.slice.Tensor(add_3, 2, 0, 4)
     masked_fill_5 = torch.ops.aten.masked_fill.Scalar(slice_9, slice_4, 0.0);  slice_9 = None
     slice_10 = torch.ops.aten.slice.Tensor(add_3, 2, 4, 9223372036854775807);  add_3 = None
     gather_2 = torch.ops.aten.gather.default(slice_10, -1, getitem_7);  slice_10 = None
     gather_3 = torch.ops.aten.gather.default(masked_fill_5, -1, getitem_5)
-    where_7 = torch.ops.aten.where.self(lt_1, gather_2, gather_3);  gather_2 = gather_3 = None
-    scatter_2 = torch.ops.aten.scatter.src(masked_fill_5, -1, getitem_5, where_7);  masked_fill_5 = where_7 = None
+    where_8 = torch.ops.aten.where.self(lt_1, gather_2, gather_3);  gather_2 = gather_3 = None
+    scatter_2 = torch.ops.aten.scatter.src(masked_fill_5, -1, getitem_5, where_8);  masked_fill_5 = where_8 = None
     copy__1 = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_state, scatter_2);  l_kwargs_past_key_values_layers_0_state = scatter_2 = copy__1 = None
     slice_11 = torch.ops.aten.slice.Tensor(cat_5, 2, 0, 4)
     masked_fill_6 = torch.ops.aten.masked_fill.Scalar(slice_11, slice_4, 0.0);  slice_11 = None
     slice_12 = torch.ops.aten.slice.Tensor(cat_5, 2, 4, 9223372036854775807);  cat_5 = None
     gather_4 = torch.ops.aten.gather.default(slice_12, -1, getitem_7);  slice_12 = None
     gather_5 = torch.ops.aten.gather.default(masked_fill_6, -1, getitem_5)
-    where_8 = torch.ops.aten.where.self(lt_1, gather_4, gather_5);  gather_4 = gather_5 = None
-    scatter_3 = torch.ops.aten.scatter.src(masked_fill_6, -1, getitem_5, where_8);  masked_fill_6 = where_8 = None
+    where_9 = torch.ops.aten.where.self(lt_1, gather_4, gather_5);  gather_4 = gather_5 = None
+    scatter_3 = torch.ops.aten.scatter.src(masked_fill_6, -1, getitem_5, where_9);  masked_fill_6 = where_9 = None
     slice_13 = torch.ops.aten.slice.Tensor(cat_6, 2, 0, 4)
     masked_fill_7 = torch.ops.aten.masked_fill.Scalar(slice_13, slice_4, 0.0);  slice_13 = slice_4 = None
     slice_14 = torch.ops.aten.slice.Tensor(cat_6, 2, 4, 9223372036854775807);  cat_6 = None
     gather_6 = torch.ops.aten.gather.default(slice_14, -1, getitem_7);  slice_14 = getitem_7 = None
     gather_7 = torch.ops.aten.gather.default(masked_fill_7, -1, getitem_5)
-    where_9 = torch.ops.aten.where.self(lt_1, gather_6, gather_7);  lt_1 = gather_6 = gather_7 = None
-    scatter_4 = torch.ops.aten.scatter.src(masked_fill_7, -1, getitem_5, where_9);  masked_fill_7 = getitem_5 = where_9 = None
+    where_10 = torch.ops.aten.where.self(lt_1, gather_6, gather_7);  lt_1 = gather_6 = gather_7 = None
+    scatter_4 = torch.ops.aten.scatter.src(masked_fill_7, -1, getitem_5, where_10);  masked_fill_7 = getitem_5 = where_10 = None
     stack_2 = torch.ops.aten.stack.default([scatter_3, scatter_4], -1);  scatter_3 = scatter_4 = None
     copy__2 = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_norms, stack_2);  l_kwargs_past_key_values_layers_0_norms = stack_2 = copy__2 = None
     copy__3 = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_totals, stack_1);  l_kwargs_past_key_values_layers_0_totals = stack_1 = copy__3 = None
@@ -458,3 +462,38 @@ def test_torch_compile_with_the_registered_backend():
         got = compiled(input_ids=ids, past_key_values=cache, use_cache=True).logits
     assert (got - expected).abs().max().item() <= 1e-4
     assert all(torch.equal(cache.positions(i), ref_cache.positions(i)) for i in range(2))
+
+
+class _TwoLayers(torch.nn.Module):
+    """Two attention layers over one BudgetCache; the second reads its keys through `op` (e.g. `.clone()`)."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.config, self.op = None, op
+        self.emb = torch.nn.Embedding(16, 8)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(8, 16, bias=False) for _ in range(2))
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True, **kwargs):
+        x = self.emb(input_ids)
+        b, n, _ = x.shape
+        for i, proj in enumerate(self.qkv):
+            q, k, v = proj(x).view(b, n, 4, 4).transpose(1, 2).split([2, 1, 1], dim=1)
+            k, v = past_key_values.update(k, v, i)
+            if i == 1:
+                k = getattr(k, self.op)()
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            x = x + y.transpose(1, 2).reshape(b, n, 8)
+        return Output(x, past_key_values)
+
+
+@pytest.mark.parametrize("op", ["clone", "float"])
+@pytest.mark.parametrize("backend", [None, "eager", "aot_eager"])
+def test_attention_through_an_unfollowed_op_is_refused(backend, op):
+    """A layer whose keys reach SDPA through an op the pass does not walk (`.clone()`, `.float()`) is refused, naming
+    the layer and the op, on every path: before, the compiled paths rewrote layer 0, left layer 1's SDPA over the
+    raw slots with a warning, and ran."""
+    m = fxbudget.compile(_TwoLayers(op), rule="h2o", budget=16, backend=backend)
+    cache = fxbudget.BudgetCache(SimpleNamespace(**{**vars(CONFIG), "num_hidden_layers": 2}), 16)
+    with torch.no_grad(), pytest.raises(fxbudget.NoBudgetAttentionError, match=rf"layer 1: .*keys through `{op}`"):
+        m(input_ids=_ids(10), past_key_values=cache)

@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
 from ..cache import MARKER_TENSORS  # importing cache also registers the marker op
+from ..marker import NoBudgetAttentionError
 from ..kernel import DEFAULT_BLOCK, SIGNAL_NAMES, evict, measure, rule_region
 from ..rule_contract import RuleContractError, rule_name, storage_id, written_args
 from ..rules.base import Rule
@@ -66,6 +67,66 @@ def find_marker(node: fx.Node, index: int, max_hops: int = 16) -> fx.Node | None
     return None
 
 
+def _walk_stop(node: fx.Node, max_hops: int = 16) -> fx.Node:
+    """The node where `find_marker`'s walk back from `node` stops (the first op it does not follow)."""
+    for _ in range(max_hops):
+        passes = isinstance(node, fx.Node) and node.args and isinstance(node.args[0], fx.Node) and (
+            (node.op == "call_method" and node.target in _VIEW_METHODS)
+            or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS))
+        if not passes:
+            return node
+        node = node.args[0]
+    return node
+
+
+def _markers_upstream(node: fx.Node) -> list[fx.Node]:
+    """Every marker `node` depends on, through any ops."""
+    seen, todo, found = set(), [node], []
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.target in MARKERS:
+            found.append(n)
+            continue
+        todo.extend(n.all_input_nodes)
+    return found
+
+
+def _op_name(node: fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+def refuse_unbudgeted(gm: fx.GraphModule, untouched: list[fx.Node]) -> None:
+    """Refuse a graph where a BudgetCache's keys/values reach attention the pass did not rewrite: an SDPA call whose
+    key or value comes from a marker through an op the pass does not walk (`.clone()`, `.float()`, ...), or a marker
+    still used after the rewrite (attention computed without SDPA). Run after the rewrite and dead-code elimination.
+
+    Raises:
+        NoBudgetAttentionError: naming the layer(s) and the op where the link to the cache was lost.
+    """
+    for node in untouched:
+        args = bind(node.args, node.kwargs)
+        for name in ("key", "value"):
+            stop = _walk_stop(args[name])
+            markers = _markers_upstream(stop) if isinstance(stop, fx.Node) else []
+            if markers:
+                layers = sorted({m.args[len(MARKER_TENSORS)] for m in markers})
+                raise NoBudgetAttentionError(
+                    f"layer {', '.join(map(str, layers))}: scaled_dot_product_attention ({node.name}) reads the "
+                    f"BudgetCache's {name}s through `{_op_name(stop)}`, an op fxbudget does not follow (it follows "
+                    f"views, slicing, expand/reshape, .to and repeat_interleave); refused rather than run that layer "
+                    "without its budget")
+    left = [n for n in gm.graph.nodes if n.target in MARKERS]
+    if left:
+        users = sorted({_op_name(u) for m in left for g in m.users for u in g.users})
+        raise NoBudgetAttentionError(
+            f"layer {', '.join(str(m.args[len(MARKER_TENSORS)]) for m in left)}: the BudgetCache's keys/values "
+            f"reach {', '.join(users) or 'other ops'} instead of scaled_dot_product_attention; fxbudget can only "
+            "budget attention computed by SDPA")
+
+
 def _example(node: fx.Node) -> torch.Tensor:
     ev = node.meta.get("example_value")
     if not isinstance(ev, torch.Tensor):
@@ -97,8 +158,8 @@ def _splice(gm: fx.GraphModule, sub: fx.GraphModule, inputs: list[fx.Node], befo
 
 
 def _trace(fn, fakes, mode: FakeTensorMode) -> fx.GraphModule:
-    # Outside Dynamo's tracing context: the kernel's own fake mode (and its shape environment, which holds the
-    # scan's unbacked block bounds) must be the one make_fx finds, not the one of the graph being compiled.
+    # Outside Dynamo's tracing context: the kernel's own fake mode (and its shape environment) must be the one
+    # make_fx finds, not the one of the graph being compiled.
     with torch._guards.tracing(None), mode:
         return make_fx(fn, tracing_mode="real")(*fakes)
 
@@ -185,8 +246,7 @@ def _trace_phases(fake: dict, rule: Rule, *, budget: int, keep: int, sliding: in
     phase1 = functools.partial(measure, window=window, sliding=sliding, scale=scale, block=block, traced=True)
     phase2 = functools.partial(rule_region, rule, budget, min(window, fake["k_new"].shape[2]))
     phase3 = functools.partial(evict, keep=keep)
-    # Each phase is traced once; the next phase is traced on the fake values of the previous one's outputs (running
-    # measure a second time would mint new unbacked sizes for its scan).
+    # Each phase is traced once; the next phase is traced on the fake values of the previous one's outputs.
     traced_measure = _trace(phase1, [fake[a] for a in _MEASURE_ARGS], mode)
     _, f_totals, *f_signals = _output_values(traced_measure)
     traced_rule = _trace(phase2, f_signals, mode)
@@ -214,7 +274,7 @@ def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: 
     `measure` and `evict` are traced a second time with one more slot and `keep + 1`, to find which of their integer
     arguments grow with the budget (`_mark_budget_ints`).
     """
-    # A shape environment for the data-dependent block bounds inside measure's scan (unbacked sizes).
+    # Every shape is static (the scan over query blocks included); a shape environment is what make_fx expects.
     mode = FakeTensorMode(shape_env=ShapeEnv())
     with mode:
         fake = {k: torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
@@ -235,12 +295,14 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule,
             block: int | None = DEFAULT_BLOCK) -> RewriteReport:
     """Replace every marker-fed SDPA node of `gm` in place; returns what was rewritten and what was left alone."""
     report = RewriteReport()
+    untouched: list[fx.Node] = []
     traces: dict[tuple, KernelTrace] = {}  # layers of one model share shapes: trace once per configuration
     for node in [n for n in gm.graph.nodes if is_sdpa(n)]:
         args = bind(node.args, node.kwargs)
         marker = find_marker(args["key"], 0)
         if marker is None or find_marker(args["value"], 1) is not marker:
             report.untouched.append(node.name)
+            untouched.append(node)
             continue
         mask = args["attn_mask"]
         scale = check(args, mask_dtype=_example(mask).dtype if isinstance(mask, fx.Node) else None)
@@ -265,6 +327,7 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule,
         report.rewritten.append(layer)
 
     gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
+    refuse_unbudgeted(gm, untouched)
     gm.recompile()
     if report.untouched:
         log.warning("fxbudget: %d SDPA call(s) not fed by a BudgetCache left unchanged: %s",
