@@ -10,6 +10,7 @@ bidirectional attention, and attention computed outside transformers' SDPA inter
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -91,7 +92,11 @@ def model_feature(model_type: str) -> str | None:
 def _dispatches_through_interface(cls: type) -> bool | None:
     """Whether a transformers model class computes attention with transformers' attention interface (so with
     `sdpa_attention_forward` under SDPA); None for classes from elsewhere (checked at call time instead)."""
-    module = getattr(cls, "__module__", "")
+    return _module_dispatches(getattr(cls, "__module__", ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _module_dispatches(module: str) -> bool | None:
     if not module.startswith("transformers.models."):
         return None
     try:

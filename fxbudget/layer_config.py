@@ -183,8 +183,9 @@ def rope_inv_freq(config, layer_type: str, head_dim: int | None = None) -> Tenso
     if _rotation_layout(type(cfg).__module__) != "half":
         return None
     head_dim = head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    # GPT-J and CodeGen name the rotated dims directly (config.rotary_dim)
-    dim = getattr(cfg, "rotary_dim", None) or int(head_dim * partial_rotary_factor(cfg, layer_type))
+    if getattr(cfg, "rotary_dim", None) is not None:
+        return None  # rotated dims named directly (GPT-J, CodeGen, MiniMax-M3): each family derives its frequencies
+    dim = int(head_dim * partial_rotary_factor(cfg, layer_type))
     if dim < 2 or dim % 2:
         return None
     return 1.0 / params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)

@@ -140,7 +140,8 @@ class CompiledLayers:
 
     def _wrapper(self, i: int, layer: nn.Module) -> Callable:
         def forward(*args, **kwargs):
-            name = next((k for k in _CACHE_KWARGS if isinstance(kwargs.get(k), BudgetCache)), None)
+            # GPT-NeoX, GPT-BigCode: the model passes its cache to each layer as `layer_past`
+            name = next((k for k in (*_CACHE_KWARGS, "layer_past") if isinstance(kwargs.get(k), BudgetCache)), None)
             if name is None:
                 raise RuntimeError(f"fxbudget: decoder layer {i} was called without the BudgetCache as a keyword "
                                    f"argument ({' or '.join(_CACHE_KWARGS)}); it cannot be compiled per layer")

@@ -8,25 +8,17 @@ import pytest
 import torch
 
 import fxbudget
-from architecture_matrix import REFUSALS, TOL, build, causal_lm_types, run_one
-from fxbudget.layer_config import rope_inv_freq
+from architecture_matrix import NAMED, REFUSALS, TOL, backends_for, build, causal_lm_types, run_one
+from fxbudget.layer_config import UnsupportedArchitectureError, rope_inv_freq
 
 MATRIX = sorted(causal_lm_types().items())
 
-# What the issue names, and what each must come to here (transformers 5.23 and 5.24).
-EXPECTED = {
-    "llama": "supported", "mistral": "supported", "mixtral": "supported", "qwen2": "supported",
-    "qwen2_moe": "supported", "qwen3": "supported", "qwen3_moe": "supported", "phi3": "supported",
-    "gemma": "supported", "gemma2": "refused", "gemma3_text": "supported", "cohere2": "supported",
-    "granite": "supported", "olmo2": "supported", "stablelm": "supported", "glm": "supported",
-    "starcoder2": "supported", "smollm3": "supported", "gpt_neox": "supported",
-}
 # The feature each refused one of them is refused for.
 REFUSED_FOR = {"gemma2": "attention logit soft-capping"}
 
 
 def test_matrix_covers_the_named_architectures():
-    missing = set(EXPECTED) - {t for t, _ in MATRIX}
+    missing = set(NAMED) - {t for t, _ in MATRIX}
     assert not missing, f"not causal LMs of this transformers: {sorted(missing)}"
 
 
@@ -36,11 +28,11 @@ def test_architecture(model_type, cls):
     """Eagerly for every architecture; also under aot_eager for the named ones, which span every window kind
     (model-wide, per layer type, Qwen2's use_sliding_window) and rotary kind (default, partial, interleaved, none).
     An aot_eager compile costs ~10 s here, so the whole matrix under both backends is left to
-    `python tests/architecture_matrix.py` (docs/architectures.md)."""
-    backends = (None, "aot_eager") if model_type in EXPECTED else (None,)
+    `python tests/architecture_matrix.py --compiled all`."""
+    backends = backends_for(model_type)
     r = run_one(model_type, cls, backends=backends)
-    if model_type in EXPECTED:
-        assert r.status == EXPECTED[model_type], (r.status, r.detail, r.diffs)
+    if model_type in NAMED:
+        assert r.status == NAMED[model_type], (r.status, r.detail, r.diffs)
     assert r.status != "failed", f"neither exact nor refused: {r.detail} {r.diffs}"
     if r.status == "supported":
         assert set(r.diffs) == {b or "eager" for b in backends} and max(r.diffs.values()) <= TOL
@@ -105,3 +97,24 @@ def test_interleaved_rotary_is_unknown_and_expected_attention_refused():
     assert not fxbudget.BudgetCache(model.config, 8).has_rope
     with pytest.raises(ValueError, match="needs the model's RoPE frequencies"):
         fxbudget.compile(model, rule="expected_attention", budget=8, backend=None)
+
+
+@pytest.mark.parametrize("attr, value, feature", [
+    ("attn_logit_softcapping", 30.0, "attention logit soft-capping"),
+    ("alibi", True, "ALiBi"),
+    ("attention_chunk_size", 16, "chunked attention"),
+    ("layer_types", ["full_attention", "linear_attention"], "'linear_attention' layers"),
+    ("kv_lora_rank", 32, "multi-head latent attention"),
+    ("use_bidirectional_attention", True, "bidirectional attention"),
+])
+def test_refusal_names_the_feature_before_any_model_work(attr, value, feature):
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    setattr(model.config, attr, value)
+    forward = model.forward
+    with pytest.raises(UnsupportedArchitectureError, match=feature):
+        fxbudget.compile(model, rule="snapkv", budget=8, backend=None)
+    assert model.forward == forward  # nothing installed
+    with pytest.raises(UnsupportedArchitectureError, match=feature):
+        fxbudget.BudgetCache(model.config, 8)
