@@ -6,7 +6,7 @@ Passkey retrieval and multi-key needle-in-a-haystack (RULER) at ~1K tokens, four
 1/8, 3/8, 5/8, 7/8): the unmodified model (full cache) as the reference row, then streamingllm, h2o, snapkv, tova
 and knorm keeping 12.5% and 25% of each sample's context, under both protocols side by side: query-agnostic (the
 rule never sees the question) and query-aware (it does; SnapKV's setting). Every row also scores the gold answer's
-log-likelihood. Why these budgets and samples: README, "make demo" (at 12.5-25% the two protocols rank the rules
+log-likelihood. Why these budgets and samples: docs/compare.md, "make demo" (at 12.5-25% the two protocols rank the rules
 differently on this model; eight paired samples per cell are the fewest at which a paired test over five rules can
 separate two of them: 2/2^8 x 4 rivals < 0.05). One shared prefill per protocol and sample, the cache branched per
 rule and budget. Sized for 15 minutes on an idle 2-core CPU; rerunning resumes (completed rows are skipped). Results:

@@ -28,7 +28,7 @@ def import_optuna():
 
 
 def suggest(trial, budget: int) -> dict:
-    """A point of the `weighted` family drawn by `trial` (the search space; documented in the README).
+    """A point of the `weighted` family drawn by `trial` (the search space; documented in docs/search.md).
 
     Weights in [-1, 1] (the ranking ignores a positive factor), `n_sink` in [0, 16], `n_recent` in [0, budget // 2],
     `pool` odd in [1, 15].

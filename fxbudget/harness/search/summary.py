@@ -159,7 +159,7 @@ def summary_markdown(res: SearchResult, note: str | None = None, wall_s: float |
                          "calibration samples (or the held-out set cannot show the gain)")
     parts += ["", "## Held-out verdict", ""]
     parts += [f"- {text}" for _, text in res.verdicts.values()]
-    parts += ["", "Decide on accuracy; the likelihood separates rules with fewer samples (README, \"How to read this "
+    parts += ["", "Decide on accuracy; the likelihood separates rules with fewer samples (docs/compare.md, \"Reading a "
               "report\"). Tier 1 alone means a Holm-adjusted sign-flip p < 0.05 against every built-in rule.", "",
               "### Paired comparison on held-out samples", "", paired_tables(res.holdout_rows, "likelihood"), "",
               "### Held-out accuracy", "", accuracy_table(res.holdout_rows, "likelihood"), ""]
