@@ -305,17 +305,17 @@ def forward(self, L_forward_self_modules_emb_parameters_weight_ : torch.nn.param
     eq_3 = torch.ops.aten.eq.Scalar(masked_fill_3, 0)
     scalar_tensor = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'))
     where = torch.ops.aten.where.self(eq_3, scalar_tensor, masked_fill_3);  eq_3 = scalar_tensor = masked_fill_3 = None
-    view_21 = torch.ops.aten.view.dtype(where, torch.int32);  where = None
-    detach = torch.ops.aten.detach.default(view_21);  view_21 = None
-    ge_3 = torch.ops.aten.ge.Scalar(detach, 0)
+    view_22 = torch.ops.aten.view.dtype(where, torch.int32);  where = None
+    detach = torch.ops.aten.detach.default(view_22);  view_22 = None
+    ge_4 = torch.ops.aten.ge.Scalar(detach, 0)
     bitwise_xor = torch.ops.aten.bitwise_xor.Scalar(detach, 2147483647)
-    where_1 = torch.ops.aten.where.self(ge_3, detach, bitwise_xor);  ge_3 = detach = bitwise_xor = None
+    where_1 = torch.ops.aten.where.self(ge_4, detach, bitwise_xor);  ge_4 = detach = bitwise_xor = None
     _to_copy_4 = torch.ops.aten._to_copy.default(where_1, dtype = torch.int64);  where_1 = None
     arange_1 = torch.ops.aten.arange.default(7, device = device(type='cpu'), pin_memory = False)
-    ge_4 = torch.ops.aten.ge.Scalar(cat, 0)
+    ge_5 = torch.ops.aten.ge.Scalar(cat, 0)
     add_4 = torch.ops.aten.add.Tensor(cat, 7)
     rsub = torch.ops.aten.rsub.Scalar(arange_1, 6)
-    where_2 = torch.ops.aten.where.self(ge_4, add_4, rsub);  ge_4 = add_4 = rsub = None
+    where_2 = torch.ops.aten.where.self(ge_5, add_4, rsub);  ge_5 = add_4 = rsub = None
     mul_4 = torch.ops.aten.mul.Tensor(_to_copy_4, 4294967296);  _to_copy_4 = None
     add_5 = torch.ops.aten.add.Tensor(mul_4, where_2);  mul_4 = where_2 = None
     topk = torch.ops.aten.topk.default(add_5, 3, -1, False);  add_5 = None
@@ -338,22 +338,22 @@ def forward(self, L_forward_self_modules_emb_parameters_weight_ : torch.nn.param
     topk_2 = torch.ops.aten.topk.default(where_4, 3);  where_4 = None
     getitem_7 = topk_2[1];  topk_2 = None
     arange_2 = torch.ops.aten.arange.default(3, device = device(type='cpu'), pin_memory = False)
-    sum_10 = torch.ops.aten.sum.dim_IntList(bitwise_not_2, [-1], True);  bitwise_not_2 = None
-    lt_1 = torch.ops.aten.lt.Tensor(arange_2, sum_10);  arange_2 = sum_10 = None
+    sum_11 = torch.ops.aten.sum.dim_IntList(bitwise_not_2, [-1], True);  bitwise_not_2 = None
+    lt_1 = torch.ops.aten.lt.Tensor(arange_2, sum_11);  arange_2 = sum_11 = None
     arange_3 = torch.ops.aten.arange.default(1, device = device(type='cpu'), pin_memory = False)
-    view_22 = torch.ops.aten.view.default(arange_3, [1, 1, 1]);  arange_3 = None
+    view_23 = torch.ops.aten.view.default(arange_3, [1, 1, 1]);  arange_3 = None
     arange_4 = torch.ops.aten.arange.default(1, device = device(type='cpu'), pin_memory = False)
-    view_23 = torch.ops.aten.view.default(arange_4, [1, 1, 1]);  arange_4 = None
+    view_24 = torch.ops.aten.view.default(arange_4, [1, 1, 1]);  arange_4 = None
     unsqueeze_7 = torch.ops.aten.unsqueeze.default(lt_1, -1)
-    index = torch.ops.aten.index.Tensor(k, [view_22, view_23, getitem_7]);  k = None
-    index_1 = torch.ops.aten.index.Tensor(l_kwargs_past_key_values_layers_0_keys, [view_22, view_23, getitem_5])
+    index = torch.ops.aten.index.Tensor(k, [view_23, view_24, getitem_7]);  k = None
+    index_1 = torch.ops.aten.index.Tensor(l_kwargs_past_key_values_layers_0_keys, [view_23, view_24, getitem_5])
     where_5 = torch.ops.aten.where.self(unsqueeze_7, index, index_1);  unsqueeze_7 = index = index_1 = None
-    index_put_ = torch.ops.aten.index_put_.default(l_kwargs_past_key_values_layers_0_keys, [view_22, view_23, getitem_5], where_5);  l_kwargs_past_key_values_layers_0_keys = where_5 = index_put_ = None
+    index_put_ = torch.ops.aten.index_put_.default(l_kwargs_past_key_values_layers_0_keys, [view_23, view_24, getitem_5], where_5);  l_kwargs_past_key_values_layers_0_keys = where_5 = index_put_ = None
     unsqueeze_8 = torch.ops.aten.unsqueeze.default(lt_1, -1)
-    index_2 = torch.ops.aten.index.Tensor(v, [view_22, view_23, getitem_7]);  v = None
-    index_3 = torch.ops.aten.index.Tensor(l_kwargs_past_key_values_layers_0_values, [view_22, view_23, getitem_5])
+    index_2 = torch.ops.aten.index.Tensor(v, [view_23, view_24, getitem_7]);  v = None
+    index_3 = torch.ops.aten.index.Tensor(l_kwargs_past_key_values_layers_0_values, [view_23, view_24, getitem_5])
     where_6 = torch.ops.aten.where.self(unsqueeze_8, index_2, index_3);  unsqueeze_8 = index_2 = index_3 = None
-    index_put__1 = torch.ops.aten.index_put_.default(l_kwargs_past_key_values_layers_0_values, [view_22, view_23, getitem_5], where_6);  l_kwargs_past_key_values_layers_0_values = view_22 = view_23 = where_6 = index_put__1 = None
+    index_put__1 = torch.ops.aten.index_put_.default(l_kwargs_past_key_values_layers_0_values, [view_23, view_24, getitem_5], where_6);  l_kwargs_past_key_values_layers_0_values = view_23 = view_24 = where_6 = index_put__1 = None
     masked_fill_4 = torch.ops.aten.masked_fill.Scalar(l_kwargs_past_key_values_layers_0_pos, slice_4, -1)
     slice_8 = torch.ops.aten.slice.Tensor(cat, 2, 4, 9223372036854775807);  cat = None
     gather = torch.ops.aten.gather.default(slice_8, -1, getitem_7);  slice_8 = None

@@ -7,7 +7,7 @@ import torch
 import fxbudget
 from conftest import fresh, tiny_model
 from fxbudget import rules
-from fxbudget.cli import rules_table
+from fxbudget.cli.rules_table import rules_table
 
 NEW = ("observed_attention", "chunkkv", "lagkv", "cur", "leverage", "compactor")
 
