@@ -168,6 +168,32 @@ def test_bad_arguments(tok):
         T.niah_multivalue(tok, 60)
 
 
+@pytest.mark.parametrize("task", sorted(NEEDLE_TASKS))
+def test_too_short_says_the_least_length_that_works(tok, task):
+    with pytest.raises(ValueError, match=r"too small .*use at least \d+ tokens") as e:
+        make_samples(task, tok, 20, 2)
+    least = int(re.search(r"use at least (\d+) tokens", str(e.value)).group(1))
+    assert all(s.n_tokens > 0 for s in make_samples(task, tok, least, 2))  # the stated minimum is enough
+
+
+def test_a_context_too_coarse_to_fit_is_a_value_error(tok):
+    # 44 tokens pass the needle check, but the sentences cannot land within 2% (43 tokens): bad input, said so.
+    with pytest.raises(ValueError, match=r"could not fit the context within 2% .*use a longer length"):
+        make_samples("passkey", tok, 44, 2)
+
+
+def test_too_short_common_words(tok):
+    with pytest.raises(ValueError, match=r"too small for common_words \(its shortest list takes \d+ tokens\)"):
+        make_samples("common_words", tok, 20, 1)
+
+
+def test_task_package_has_one_module_per_family():
+    families = {"passkey": "passkey", "niah_single": "niah", "niah_multikey": "niah", "niah_multivalue": "niah",
+                "niah_multiquery": "niah", "variable_tracking": "variable_tracking", "common_words": "common_words"}
+    assert {name: fn.__module__.rsplit(".", 1)[1] for name, fn in TASKS.items()} == families
+    assert load_jsonl.__module__.endswith(".jsonl") and set(T.TASK_FILE_FIELDS) >= {"max_new_tokens", "answer"}
+
+
 def test_load_jsonl(tok, tmp_path):
     path = tmp_path / "my_task.jsonl"
     rows = [{"context": "The sky is green here.", "question": "What colour is the sky?", "answer": "green"},

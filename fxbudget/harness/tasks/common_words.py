@@ -70,7 +70,8 @@ def common_words(tokenizer, n_tokens: int, *, depth: float = 0.5, seed: int = 0,
     context = _CWE_HEADER + " ".join(f"{i}. {w}" for i, w in enumerate(listed, 1))
     n = _count(tokenizer, [context])[0]
     if abs(n - n_tokens) > 0.02 * n_tokens:
-        raise RuntimeError(f"could not fit the context to {n_tokens} tokens (got {n})")
+        raise ValueError(f"n_tokens={n_tokens}: could not fit the context within 2% (got {n} tokens): use a "
+                         "longer length")
     question = f"What are the {n_common} most common words in the list above? Answer with the words only."
     return Sample("common_words", context, question, common,
                   f"The top {n_common} words that appear most often in the list are:", None, n, seed, 96,

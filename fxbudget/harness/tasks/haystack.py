@@ -117,6 +117,10 @@ class _Haystack:
             i += 1
 
 
+# Generated contexts from this many tokens on fit within 2% (shorter ones may not: sentences are a few tokens each).
+SAFE_TOKENS = 200
+
+
 def _assemble(tokenizer, n_tokens: int, rng: random.Random, header: str, needles: list[str],
               depths: list[float]) -> tuple[str, int, list[float]]:
     """Haystack of `n_tokens` with each needle at the sentence boundary nearest its requested depth.
@@ -127,7 +131,8 @@ def _assemble(tokenizer, n_tokens: int, rng: random.Random, header: str, needles
     head = _count(tokenizer, [header])[0] if header else 0
     sizes = _count(tokenizer, [" " + s for s in needles])
     if n_tokens < 1.1 * (head + sum(sizes)) + 16:
-        least = math.ceil(1.1 * (head + sum(sizes)) + 16)
+        # Below SAFE_TOKENS a context may not fit within 2% (sentences are a few tokens each): advise that much.
+        least = max(SAFE_TOKENS, math.ceil(1.1 * (head + sum(sizes)) + 16))
         raise ValueError(f"n_tokens={n_tokens} is too small for this task (header and needles take "
                          f"{head + sum(sizes)} tokens): use at least {least} tokens")
     hay = _Haystack(tokenizer, rng.getrandbits(64))
@@ -152,8 +157,9 @@ def _assemble(tokenizer, n_tokens: int, rng: random.Random, header: str, needles
         if abs(n - n_tokens) <= 0.01 * n_tokens:
             break
         budget += n_tokens - n
-    if abs(n - n_tokens) > 0.02 * n_tokens:
-        raise RuntimeError(f"could not fit the context to {n_tokens} tokens (got {n})")
+    if abs(n - n_tokens) > 0.02 * n_tokens:  # short contexts: the sentences are too coarse to land within 2%
+        raise ValueError(f"n_tokens={n_tokens}: could not fit the context within 2% (got {n} tokens): use a "
+                         f"longer length (at least {SAFE_TOKENS} tokens)")
     starts, pos = {}, len(header)
     for x, part in zip(items, parts):
         if isinstance(x, int):
