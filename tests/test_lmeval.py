@@ -235,6 +235,19 @@ def test_query_agnostic_with_chat_template(setup):
     assert max(abs(a - b) for a, b in zip(agnostic, _loglikelihoods(hf))) > 1e-2
 
 
+def test_query_agnostic_with_a_question_marker(setup):
+    """question_marker: the question starts at its last occurrence ("\\nQ:" in the generation task's prompts)."""
+    model_dir, tm, hf = setup
+    args = "rule=snapkv,protocol=query-agnostic,question_marker=\\nQ:"
+    cover = _fx(model_dir, [GEN], tm, f"{args},budget=512")
+    assert _resps(cover, GEN) == _resps(hf, GEN)
+    small = _fx(model_dir, [GEN], tm, f"{args},budget=50%,window=4,kernel=3")
+    whole = _fx(model_dir, [GEN], tm, "rule=snapkv,protocol=query-aware,budget=50%,window=4,kernel=3")
+    # 50% of the part before the marker, not of the whole context: the question's tokens were not prefilled.
+    assert max(small["config"]["fxbudget"]["budgets_used"]) < max(whole["config"]["fxbudget"]["budgets_used"])
+    assert _resps(small, GEN) != _resps(hf, GEN)
+
+
 def test_query_agnostic_without_a_mark_is_refused(setup):
     model_dir, tm, _ = setup
     with pytest.raises(ValueError, match="query-agnostic.*apply_chat_template"):
@@ -266,6 +279,7 @@ def test_registered_with_lm_eval():
     ("budget=8,dtype=float8", "dtype must be one of"),
     ("budget=8,batch_size=auto", "batch_size=auto is not supported"),
     ("budget=8,parallelize=True", "unknown argument"),
+    ("budget=8,question_marker=Q:", "question_marker is for protocol=query-agnostic"),
 ])
 def test_bad_model_args_fail_before_any_model_is_loaded(args, match, monkeypatch):
     from fxbudget.lmeval import ModelArgsError, loading

@@ -13,9 +13,9 @@ so with a budget covering every request its metrics equal `hf`'s) whose three re
 - `loglikelihood_rolling`: each of lm-eval's windows streams through the budget in calls of `chunk_size` tokens
   (default 1), every call evicting (one call would attend exactly and evict only afterwards).
 
-The question (query-agnostic) is the last user turn of the chat template (`--apply_chat_template`): the context is
-everything before that turn's content. A request with no such mark is refused under query-agnostic (never run as
-query-aware under the wrong name).
+The question (query-agnostic) starts at the last occurrence of `question_marker` in the context if given, else at the
+content of the chat template's last user turn (`--apply_chat_template`). A request with no such mark is refused under
+query-agnostic (never run as query-aware under the wrong name).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from .options import parse
 
 # Stands in for the last user turn's content to find where it starts in the rendered template.
 _SENTINEL = "\u2063fxbudget:question\u2063"
-NO_MARK = ("protocol=query-agnostic appends the question after compression, and lm-eval marks the question only "
-           "through a chat template (the last user turn): run with --apply_chat_template (and without "
-           "--cache_requests, which skips rendering), or use protocol=query-aware (the whole context prefilled with "
-           "eviction)")
+NO_MARK = ("protocol=query-agnostic appends the question after compression, and lm-eval marks no question: run with "
+           "--apply_chat_template (the last user turn is the question; not with --cache_requests, which skips "
+           "rendering), or give question_marker= (the question starts at its last occurrence in the context), or use "
+           "protocol=query-aware (the whole context prefilled with eviction)")
 
 
 def _version(dist: str) -> str:
@@ -73,9 +73,11 @@ class FxBudgetLM(HFLM):
         pretrained: a local model directory, a `.gguf` file or a Hub id; omitted: the embedded default model.
         rule: a registered rule (default snapkv), its hyperparameters as further keys (`window=64,kernel=5`).
         budget: KV entries per layer and KV head (`1024`) or a percentage of each request's prefilled tokens (`25%`).
-        protocol: query-aware (default), query-agnostic or streaming. backend: none (fxbudget's eager kernel,
-            default), inductor, aot_eager or eager. chunk_size: prefill chunk (and rolling call size). block: the
-            kernel's query block. device, dtype: where and in what the model runs (default cpu, float32).
+        protocol: query-aware (default), query-agnostic or streaming. question_marker: query-agnostic's question
+            starts at its last occurrence in the context (default: the chat template's last user turn).
+        backend: none (fxbudget's eager kernel, default), inductor, aot_eager or eager. chunk_size: prefill chunk
+            (and rolling call size). block: the kernel's query block. device, dtype: where and in what the model
+            runs (default cpu, float32).
         batch_size, max_length, truncation, add_bos_token, ...: as for lm-eval's `hf`.
     """
 
@@ -126,9 +128,11 @@ class FxBudgetLM(HFLM):
         with eviction: all, or (query-agnostic) those before the question. Raises for an unmarked question."""
         if self.opts.protocol != "query-agnostic":
             return kept
-        at = self._question_at.get(context)
-        if at is None:
-            raise ValueError(f"{NO_MARK}; this request's context has no chat-template mark: {context[:80]!r}...")
+        marker = self.opts.question_marker
+        at = self._question_at.get(context) if marker is None else context.rfind(marker)
+        if at is None or at < 0:
+            where = "no chat-template mark" if marker is None else f"no question_marker {marker!r}"
+            raise ValueError(f"{NO_MARK}; this request's context has {where}: {context[:80]!r}...")
         prefix = self.tok_encode(context[:at])
         if list(context_ids[:len(prefix)]) != prefix:
             raise ValueError(f"the chat template's question does not start at a token boundary of the context "

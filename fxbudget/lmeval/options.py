@@ -25,8 +25,8 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 HF_ARGS = ("batch_size", "max_batch_size", "max_length", "truncation", "add_bos_token", "prefix_token_id",
            "use_fast_tokenizer", "trust_remote_code", "revision", "think_end_token", "enable_thinking",
            "chat_template_args")
-OWN_ARGS = ("pretrained", "tokenizer", "rule", "budget", "protocol", "backend", "chunk_size", "window", "block",
-            "device", "dtype")
+OWN_ARGS = ("pretrained", "tokenizer", "rule", "budget", "protocol", "question_marker", "backend", "chunk_size",
+            "window", "block", "device", "dtype")
 
 
 class ModelArgsError(ValueError):
@@ -43,7 +43,8 @@ class Options:
         percentage string such as "25%" (of the tokens each request prefills with eviction). protocol: one of
         `PROTOCOLS`. backend: a Dynamo backend of `fxbudget.compile`, or None (fxbudget's eager kernel).
         chunk_size: prefill chunk (None: one call); also the call size of loglikelihood_rolling (None: 1).
-        block: the kernel's query block. device, dtype: where and how the model runs.
+        block: the kernel's query block. device, dtype: where and how the model runs. question_marker: where the
+        question starts for query-agnostic (its last occurrence in each context); None: the chat template's mark.
     """
 
     pretrained: str | None
@@ -56,6 +57,7 @@ class Options:
     block: int | None
     device: str
     dtype: str
+    question_marker: str | None = None
     hf_args: dict = field(default_factory=dict)
 
     @property
@@ -137,6 +139,15 @@ def parse(args: dict) -> Options:
         kernel_window(rule)
     except (TypeError, ValueError) as e:
         raise ModelArgsError(f"fxbudget model_args: {e}") from None
+    marker = args.pop("question_marker", None)
+    if marker is not None:
+        # Typed on a command line: "\\n" is a newline (lm-eval passes the backslash through).
+        marker = str(marker).encode("latin-1", "backslashreplace").decode("unicode_escape")
+        if not marker:
+            raise ModelArgsError("fxbudget model_args: question_marker must not be empty")
+        if protocol != "query-agnostic":
+            raise ModelArgsError(f"fxbudget model_args: question_marker is for protocol=query-agnostic (the question "
+                                 f"appended after compression), not {protocol}")
     pretrained, tokenizer = args.pop("pretrained", None), args.pop("tokenizer", None)
     batch_size = args.get("batch_size", 1)
     if isinstance(batch_size, str) and batch_size.startswith("auto"):
@@ -153,4 +164,5 @@ def parse(args: dict) -> Options:
     return Options(pretrained=None if pretrained is None else str(pretrained),
                    tokenizer=None if tokenizer is None else str(tokenizer), rule=rule, budget=budget,
                    protocol=protocol, backend=None if backend in ("none", None) else backend,
-                   chunk_size=chunk_size, block=block, device=device, dtype=dtype, hf_args=args)
+                   chunk_size=chunk_size, block=block, device=device, dtype=dtype, question_marker=marker,
+                   hf_args=args)
