@@ -239,7 +239,7 @@ def load_tokenizer(source: ModelSource):
 
 def load_model(spec: str | os.PathLike | ModelSource | None = None, *, progress: bool = True, device_map=None,
                device: str | None = None, dtype: str | None = None, revision: str | None = None,
-               trust_remote_code: bool = False):
+               trust_remote_code: bool = False, tokenizer: str | None = None, use_fast_tokenizer: bool = True):
     """Load a causal LM for fxbudget (SDPA attention, eval mode): the default model, a local Hugging Face model
     directory, a local GGUF file (dequantized by transformers' GGUF support) or a hub id (through the HF cache;
     `HF_HUB_OFFLINE=1` uses the cache only).
@@ -251,9 +251,12 @@ def load_model(spec: str | os.PathLike | ModelSource | None = None, *, progress:
         device_map: passed to ``from_pretrained`` instead of `device` (``"auto"``: the layers spread over the visible
             GPUs, each layer's cache slots then on its layer's device).
         device: "cpu", "cuda" or "cuda:N" (None: cuda when available, else cpu); ignored with `device_map`.
-        dtype: "float32", "bfloat16" or "float16" (None: bfloat16 on a GPU, float32 on the CPU).
+        dtype: "float32", "bfloat16" or "float16" (None: bfloat16 on a GPU, float32 on the CPU), or "auto": the
+            checkpoint's own (float32 for the embedded model).
         revision: a hub revision (branch, tag or commit), with a hub id.
         trust_remote_code: run the model's own code, if it ships some (never without this flag).
+        tokenizer: another tokenizer to load instead of the model's (a directory or a hub id).
+        use_fast_tokenizer: False loads the slow (Python) tokenizer.
 
     Returns:
         ``(model, tokenizer, name)``; ``name`` is what result rows record (`model_name(spec)`).
@@ -266,18 +269,24 @@ def load_model(spec: str | os.PathLike | ModelSource | None = None, *, progress:
     source = spec if isinstance(spec, ModelSource) else resolve_model(spec, revision=revision,
                                                                        trust_remote_code=trust_remote_code)
     gpu_map = device_map is not None and device_map != "cpu" and device_map != {"": "cpu"}
-    place = devices.resolve(device if device_map is None else ("cuda" if gpu_map else "cpu"), dtype)
+    auto = dtype == "auto"
+    place = devices.resolve(device if device_map is None else ("cuda" if gpu_map else "cpu"),
+                            "float32" if auto else dtype)
     # The CPU needs no device map (the load stays as it always was); a GPU gets the weights loaded onto it directly.
     placement = device_map if device_map is not None else None if place.device == "cpu" else place.device
     start = time.perf_counter()
-    if source.kind == "default":
-        model, tokenizer = load_default(progress=progress, device_map=placement, dtype=place.torch_dtype())
-        return model, tokenizer, source.name
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = source.pretrained_kwargs()
-    model = AutoModelForCausalLM.from_pretrained(source.location, dtype=place.torch_dtype(), **_ATTN, **kwargs,
-                                                 device_map=placement).eval()
-    tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
-    _log(progress, f"loaded {source.name} ({place.dtype}, {placement or 'cpu'}) in {time.perf_counter() - start:.1f} s")
-    return model, tokenizer, source.name
+    fast = {} if use_fast_tokenizer else {"use_fast": False}
+    if source.kind == "default":
+        model, tok = load_default(progress=progress, device_map=placement, dtype=place.torch_dtype())
+    else:
+        kwargs = source.pretrained_kwargs()
+        model = AutoModelForCausalLM.from_pretrained(source.location, dtype="auto" if auto else place.torch_dtype(),
+                                                     **_ATTN, **kwargs, device_map=placement).eval()
+        tok = None if tokenizer else AutoTokenizer.from_pretrained(source.location, **kwargs, **fast)
+        _log(progress, f"loaded {source.name} ({str(model.dtype).removeprefix('torch.')}, {placement or 'cpu'}) in "
+                       f"{time.perf_counter() - start:.1f} s")
+    if tokenizer:
+        tok = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code, **fast)
+    return model, tok, source.name
