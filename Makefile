@@ -82,7 +82,9 @@ $(NEWEST_TORCH_VENV)/.installed: pyproject.toml constraints.txt
 test-newest-torch: $(NEWEST_TORCH_VENV)/.installed
 	$(NEWEST_TORCH_BIN)/python -c "import torch, transformers; print('test-newest-torch: torch', \
 		torch.__version__, 'transformers', transformers.__version__)"
-	$(NEWEST_TORCH_BIN)/python $(NEWEST_PYTEST) -m "newest or inductor"
+	@# Tests one by one (--dist load), not file by file: the Inductor tests are cold compiles concentrated in two files
+	@# (test_exactness.py compiles every rule), which file-by-file scheduling leaves to one worker.
+	$(NEWEST_TORCH_BIN)/python $(NEWEST_PYTEST) --dist load -m "newest or inductor"
 
 clean:
 	rm -rf $(VENV) $(NEWEST_VENV) $(NEWEST_TORCH_VENV) *.egg-info build/site
