@@ -6,8 +6,8 @@ one KV head, and sync the host), and an unrolled loop grows with the call. Here 
 trace time:
 - full-attention layers: the blocks are split into at most `SCAN_LEVELS` consecutive levels; the blocks of a level
   attend over the new tokens up to the end of that level (causally later ones masked by position), each level its own
-  `scan` of static key extent. Work is (L + 1) / (2 L) of the n x n square for L levels (0.625 at 4) instead of 1, and
-  the graph holds L block bodies whatever `n`.
+  `scan` of static key extent. Work is (L + 1) / (2 L) of the n x n square for L levels (0.5625 at 8) instead of 1,
+  and the graph holds at most `SCAN_LEVELS` block bodies whatever `n`.
 - sliding layers: one `scan`; a block attends over a band of `block + sliding - 1` new tokens ending at its last
   query, gathered at a data offset (a gather, not a data-dependent size).
 """
@@ -19,24 +19,27 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._higher_order_ops.scan import scan_op
 
-# Levels of the full-attention scan: more recover more of the triangle ((L + 1) / (2 L) of the square) but compile
-# one more block body each (the compiled 8K prefill spends most of its first call compiling; 4 keeps that near the
-# single-body kernel's).
-SCAN_LEVELS = 4
+# Levels of the full-attention scan: more recover more of the triangle ((L + 1) / (2 L) of the square) but each
+# compiles one more block body (about 1 s on this CPU, per graph: every shape bucket has its own). So a call gets one
+# level per `LEVEL_BLOCKS` query blocks, at most `SCAN_LEVELS`: at the automatic block, 4 levels at 2K tokens and 8
+# from 4K on (a CPU-time probe of one layer at 8K tokens: 4 levels took 5.7 s, one level 7.5 s, the old kernel that
+# narrowed each block by `.item()` 4.3 s).
+SCAN_LEVELS = 8
+LEVEL_BLOCKS = 8
 
 
-def scan_levels(nb: int, R: int, n: int, levels: int = SCAN_LEVELS) -> list[tuple[int, int, int]]:
+def scan_levels(nb: int, R: int, n: int, levels: int | None = None) -> list[tuple[int, int, int]]:
     """The levels of `nb` query blocks of `R` queries over a call of `n` new tokens: `(first block, end block, key
     extent)` per level, in order. Levels are as equal as whole blocks allow (equal widths minimize the work); the key
     extent is the new tokens the level's last block can see, `min(end block * R, n)`.
 
     Args:
         nb: number of query blocks (`ceil(n / R)`). R: queries per block. n: new tokens of the call.
-        levels: the most levels (fewer when there are fewer blocks).
+        levels: how many levels (at most `nb`); None = one per `LEVEL_BLOCKS` blocks, 1 to `SCAN_LEVELS`.
     Returns:
         One `(b0, b1, keys)` triple per level: blocks `b0:b1` attend over new tokens `0:keys`.
     """
-    L = max(1, min(levels, nb))
+    L = max(1, min(SCAN_LEVELS, nb // LEVEL_BLOCKS) if levels is None else min(levels, nb))
     bounds = [nb * i // L for i in range(L + 1)]
     return [(b0, b1, min(b1 * R, n)) for b0, b1 in zip(bounds, bounds[1:])]
 
