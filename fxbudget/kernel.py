@@ -19,10 +19,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch._higher_order_ops.scan import scan_op
 
+from .block_scan import scan_blocks as _scan_blocks
 from .rule_contract import NoMutation, RuleContractError, check_output  # noqa: F401 (RuleContractError: re-export)
 from .rules.base import Rule, Signals
 
@@ -51,8 +50,9 @@ def measure(
     The call's queries are processed in blocks of `block` positions (`attend_block`), so temporaries are
     O(block x candidates), never O(n x candidates). Eagerly (a Python loop over blocks) a block skips the new tokens
     it cannot see (causally later ones, and on sliding layers those before its window). `traced=True` (the graph
-    pass) loops with a `scan` higher-order op of static shapes, so the compiled graph does not grow with `n` and
-    holds no host sync: there a full layer's block masks the later tokens instead of skipping them (`_scan_blocks`).
+    pass) loops with `scan` higher-order ops of static shapes, so the compiled graph does not grow with `n` and
+    holds no host sync: there a full layer's blocks come in a few levels, each masking the later tokens up to its
+    level's end instead of skipping them (`block_scan.scan_blocks`).
     """
     b, h, S, d = k_slots.shape
     n = k_new.shape[2]
@@ -182,60 +182,6 @@ def _visible_range(r0, r1, n: int, sliding: int):
     layer, none `sliding` or more before its first query. Positions of a row's valid tokens are consecutive and
     pads are never visible, so index distance is position distance."""
     return (max(r0 - sliding + 1, 0) if sliding else 0), min(r1, n)
-
-
-def _scan_blocks(blk: _Block, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
-    """Traced: the same blocks as one `scan` over blocks (Inductor lowers it to a loop), so the graph holds one
-    block's ops whatever `n`. Every shape in the body is static and nothing in it is read back to the host: on a full
-    layer each block attends over all `n` new tokens, the causally later ones masked by position; on a sliding
-    layer over a band of `block + sliding - 1` new tokens ending at its last query, gathered at a data offset (a
-    gather, not a data-dependent size). The queries are padded to whole blocks with pads (position -1)."""
-    b, h, S = blk.slot_pos.shape
-    n = qpos.shape[1]
-    g = queries.shape[2] // n
-    nb = -(-n // R)
-    pad = nb * R - n
-    d = queries.shape[-1]
-    q5 = F.pad(queries.view(b, h, g, n, d), (0, 0, 0, pad))
-    band = R + blk.sliding - 1 if blk.sliding else nb * R
-    lead = blk.sliding - 1 if band < nb * R else 0  # new tokens a block's band reaches before its first query
-    if lead:
-        # Pad the new tokens by `lead` invisible entries (position -1) in front, so block i's band is
-        # [i * R, i * R + band) of the padded tokens: in range for every block, no clamping.
-        k_new, v_new = (F.pad(x, (0, 0, lead, pad)) for x in (blk.k_new, blk.v_new))
-        new_pos = F.pad(blk.new_pos, (lead, pad), value=-1)
-    else:
-        band = n
-        k_new, v_new, new_pos = blk.k_new, blk.v_new, blk.new_pos
-    # Block-major and contiguous: a scan traces its body on a contiguous slice, so every slice must be one.
-    xs = [x.contiguous() for x in (
-        q5.view(b, h, g, nb, R, d).permute(3, 0, 1, 2, 4, 5).reshape(nb, b, h, g * R, d),
-        F.pad(qpos, (0, pad), value=-1).view(b, nb, R).transpose(0, 1),
-        F.pad(weights, (0, pad)).view(b, 3, nb, R).permute(2, 0, 1, 3),
-        torch.arange(nb, device=queries.device) * R)]
-    offsets = torch.arange(band, device=queries.device)
-
-    def body(sig_s, sig_n, qb, qp, wb, start, k_slots, v_slots, slot_pos, kn, vn, np_, offs):
-        # The slots and new tokens come in as the scan's additional inputs: a scan body may not close over tensors.
-        if lead:
-            idx = start + offs  # the block's band of padded new tokens: a data offset, a static length
-            kn, vn, np_ = kn.index_select(2, idx), vn.index_select(2, idx), np_.index_select(-1, idx)
-        inner = _Block(k_slots, v_slots, slot_pos, kn, vn, np_, blk.scale, blk.sliding, blk.acc)
-        o, s_s, s_n = inner(qb, qp, wb, 0, band)
-        if lead:
-            # Each index of the band once: a gather, an add and a scatter of distinct entries (deterministic).
-            s_n = sig_n.index_select(-1, idx) + s_n
-            return sig_s + s_s, sig_n.index_copy(-1, idx, s_n), o
-        return sig_s + s_s, sig_n + s_n, o
-
-    init = [weights.new_zeros(b, h, 3, S), weights.new_zeros(b, h, 3, lead + nb * R if lead else n)]
-    sig_s, sig_n, ys = scan_op(body, init, xs, (blk.k_slots, blk.v_slots, blk.slot_pos, k_new, v_new, new_pos,
-                                                offsets))
-    if lead:
-        sig_n = sig_n[..., lead:lead + n]
-    dv = ys.shape[-1]
-    out = ys.view(nb, b, h, g, R, dv).permute(1, 2, 3, 0, 4, 5).reshape(b, h, g, nb * R, dv)[:, :, :, :n]
-    return out, sig_s, sig_n
 
 
 def signal_totals(totaled: tuple[Tensor, ...], acc: torch.dtype) -> Tensor:
