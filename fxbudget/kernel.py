@@ -275,6 +275,10 @@ def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor, floor: i
     # pads (a call padded to a shape bucket) then change nothing a rule sees (an int would be `min(window, bucket)`).
     new_pos = signals[SIGNAL_NAMES.index("new_pos")]
     rows = (new_pos >= 0).sum(-1).clamp(max=window).view(-1, 1, 1)
+    h = signals[SIGNAL_NAMES.index("pos")].shape[1]
+    # The head pool's slots come with one head: every head's rule sees them all (a view, not a copy).
+    signals = tuple(x.expand(x.shape[0], h, *x.shape[2:]) if name in ("k_slots", "v_slots") and x.shape[1] != h
+                    else x for name, x in zip(SIGNAL_NAMES, signals))
     s = Signals(*signals, budget=budget, window=rows)
     with NoMutation(rule, signals):
         score = rule.score(s)

@@ -26,8 +26,6 @@ from .kernel import SIGNAL_NAMES, evict, measure, rule_region
 from .rules.adakv import allocation_floor
 from .rules.base import Rule
 
-_K, _V = SIGNAL_NAMES.index("k_slots"), SIGNAL_NAMES.index("v_slots")
-
 
 def head_view(x: Tensor, owner: Tensor, empty: float | int) -> Tensor:
     """The pooled slots' `x` (`[b, h, S]` or `[b, h, S, k]`) as each head sees them: `[b, h, h*S(, k)]`, its own
@@ -45,16 +43,14 @@ def measure_pooled(q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tenso
                    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, owner: Tensor, **kwargs
                    ) -> tuple[Tensor, ...]:
     """`kernel.measure` on the pooled layer (same outputs; the slot signals are `[b, h, h*S]`, `k_slots` and
-    `v_slots` the pool expanded to `[b, h, h*S, d]`, a view). `kwargs`: `measure`'s keyword arguments."""
+    `v_slots` the pool `[b, 1, h*S, d]`, which `rule_region` hands the rule expanded to every head, a view: in the
+    rule region, so a rule that does not read keys leaves no trace of it). `kwargs`: `measure`'s keyword
+    arguments."""
     b, h, S, d = k_slots.shape
     P = h * S
     k_pool, v_pool = k_slots.view(b, 1, P, d), v_slots.view(b, 1, P, v_slots.shape[-1])
-    out = measure(q, k_pool, v_pool, head_view(pos_slots, owner, -1), head_view(state, owner, 0.0),
-                  head_view(norms, owner, 0.0), k_new, v_new, new_pos, inv_freq, **kwargs)
-    out = list(out)
-    out[2 + _K] = k_pool.expand(b, h, P, d)
-    out[2 + _V] = v_pool.expand(b, h, P, v_slots.shape[-1])
-    return tuple(out)
+    return measure(q, k_pool, v_pool, head_view(pos_slots, owner, -1), head_view(state, owner, 0.0),
+                   head_view(norms, owner, 0.0), k_new, v_new, new_pos, inv_freq, **kwargs)
 
 
 def evict_pooled(score: Tensor, pos: Tensor, acc_attn: Tensor, key_norm: Tensor, value_norm: Tensor,
