@@ -298,3 +298,13 @@ def test_bad_input_before_model_work():
             m(input_ids=torch.zeros(1, 4, dtype=torch.long), past_key_values=BudgetCache(model.config, 64))
     finally:
         model.forward.restore()
+
+
+def test_rules_command_lists_the_wrappers(capsys):
+    from fxbudget.cli import main
+    from fxbudget.cli.rules_table import static_rules_table
+
+    assert static_rules_table() is not None  # adakv.py does not stop the torch-free reader
+    assert main(["rules"]) == 0
+    out = capsys.readouterr().out
+    assert "`adakv:<rule>` (`alpha=0.2`" in out and "| `snapkv` |" in out
