@@ -308,3 +308,38 @@ def test_rules_command_lists_the_wrappers(capsys):
     assert main(["rules"]) == 0
     out = capsys.readouterr().out
     assert "`adakv:<rule>` (`alpha=0.2`" in out and "| `snapkv` |" in out
+
+
+def test_frozen_headroom_and_chunked_prefill_pooled():
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (2, 40))
+    kw = dict(budget=12, backend=None, headroom=4, chunk_size=16, window=2)
+    ref = fxbudget.compile(fresh(model), rule="snapkv", **kw)
+    pooled = fxbudget.compile(fresh(model), rule="snapkv", head_pool=True, **kw)
+    ada = fxbudget.compile(fresh(model), rule="adakv:snapkv", **kw)
+    caches = [m.forward.new_cache(2) for m in (ref, pooled, ada)]
+    with torch.no_grad():
+        outs = [m(input_ids=ids, past_key_values=c).logits for m, c in zip((ref, pooled, ada), caches)]
+        assert (outs[0] - outs[1]).abs().max().item() <= 1e-6  # chunked prefill: uniform pooled = unpooled
+        before = [c.head_positions(0).clone() for c in caches]
+        for m, c in zip((ref, pooled, ada), caches):
+            with c.frozen():  # the head-room takes 4 more tokens per head, nothing is evicted
+                m(input_ids=ids[:, :4], past_key_values=c)
+    for c, old in zip(caches, before):
+        counts = c.head_counts(0)
+        assert torch.equal(counts.sum(-1), torch.full((2,), 2 * 16))
+        held = [set(h) for row in _kept(c, 0) for h in row]
+        was = [set(p for p in h if p >= 0) for row in old.tolist() for h in row]
+        assert all(w | {40, 41, 42, 43} == h for w, h in zip(was, held))
+    assert _kept(caches[0], 0) == _kept(caches[1], 0)
+
+
+def test_adakv_inductor_matches_eager():
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (2, 24))
+    eager, kept_e, _ = _run(model, ids, 6, rule="adakv:snapkv", budget=10, backend=None, window=2)
+    got, kept, _ = _run(model, ids, 6, rule="adakv:snapkv", budget=10, backend="inductor", window=2)
+    assert kept == kept_e
+    assert (got - eager).abs().max().item() <= 1e-4
