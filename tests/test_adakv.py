@@ -86,6 +86,18 @@ def test_covering_budget_adakv_reproduces_model(backend):
         assert all(h == list(range(24 + STEPS)) for row in _kept(cache, i) for h in row)
 
 
+@pytest.mark.parametrize("rule", [r for r in fxbudget.rules.available() if r != "full"])
+def test_covering_budget_every_adakv_rule_eager(rule):
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (2, 24))
+    with torch.no_grad():
+        ref, _ = greedy(model, ids, 8)
+        got, cache = greedy(fxbudget.compile(fresh(model), rule=f"adakv:{rule}", budget=64, backend=None), ids, 8)
+    assert (got - ref).abs().max().item() <= 1e-4
+    assert all(h == list(range(32)) for i in range(2) for row in _kept(cache, i) for h in row)
+
+
 # --- AdaKV's selection against a plain-torch reference ----------------------------------------------------------------
 
 @dataclass
