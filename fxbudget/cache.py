@@ -236,7 +236,8 @@ class BudgetCache(Cache):
         return self.layers[0].batch_size
 
     def positions(self, layer_idx: int) -> Tensor:
-        """Original positions held by a layer, `[batch, kv_heads, slots]` (-1 = empty slot)."""
+        """Original positions held by a layer's slots, `[batch, kv_heads, slots]` (-1 = empty slot). On the
+        head-pooled layout a slot's row is not its head: read `head_positions` for what each head holds."""
         return self.layers[layer_idx].pos.clone()
 
     def head_positions(self, layer_idx: int) -> Tensor:
