@@ -11,7 +11,9 @@ One call, per batch row and KV head, with `S` slots and `n` new tokens (`C = S +
 2. `rule_region`: `score = rule.score(signals)`; candidates in `rule.protect(signals)` score +inf, empty slots -inf.
 3. `evict`: the top `keep` candidates by score are kept (ties: newer position wins);
    surviving new tokens are written into freed slots only (a decode step writes one row per head, not the cache);
-   positions and the carried state (accumulated attention) are updated.
+   positions and the carried state (accumulated attention) are updated (`fxbudget.selection`).
+The head-pooled layout (`fxbudget.pool`, for head-adaptive rules such as AdaKV) runs these same three phases on a
+pool of slots the KV heads of a layer share, with an allocation step in the rule region (`rule_region(floor=)`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import Tensor
 from .block_scan import scan_blocks as _scan_blocks
 from .rule_contract import NoMutation, RuleContractError, check_output  # noqa: F401 (RuleContractError: re-export)
 from .rules.base import Rule, Signals
+from .selection import _order_key, _top_indices, evict  # noqa: F401 (evict: the kernel's third phase, re-export)
 
 DEFAULT_WINDOW = 32  # observation window shared by all rules of a run (snapkv's paper default)
 # Queries per block of `measure`: a kernel setting shared by every rule (None = `auto_block`). A call's attention
@@ -54,7 +57,10 @@ def measure(
     holds no host sync: there a full layer's blocks come in a few levels, each masking the later tokens up to its
     level's end instead of skipping them (`block_scan.scan_blocks`).
     """
-    b, h, S, d = k_slots.shape
+    # The slots' head dim may be 1 (the head-pooled layout, `fxbudget.pool`: every head sees the whole pool); the
+    # heads and slots each head sees are those of its positions.
+    b, h, S = pos_slots.shape
+    d = k_slots.shape[-1]
     n = k_new.shape[2]
     g = q.shape[1] // h
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -129,7 +135,7 @@ class _Block:
         qs = qb * self.scale  # scaled once here ([queries, d]), not in the [queries, candidates] logits
 
         def logits(k: Tensor, kpos: Tensor) -> Tensor:
-            lg = (qs @ k.transpose(-1, -2)).view(b, h, g, R, -1)
+            lg = _heads_matmul(qs, k.transpose(-1, -2)).view(b, h, g, R, -1)
             kp = kpos.unsqueeze(2).unsqueeze(2)  # [b, h or 1, 1, 1, candidates]
             vis = (kp >= 0) & (kp <= qp)
             if self.sliding:
@@ -150,10 +156,19 @@ class _Block:
         denom = es.sum(dim=-1, keepdim=True) + en.sum(dim=-1, keepdim=True)
         # The normalization is applied to the small results ([queries, d] and the weights), not to the probabilities.
         inv = 1.0 / denom.masked_fill(denom == 0, 1.0)  # [b, h, group * R, 1]
-        out = (es @ self.v_slots + en @ self.v_new.narrow(2, c0, length)) * inv
+        out = (_heads_matmul(es, self.v_slots) + en @ self.v_new.narrow(2, c0, length)) * inv
         # The three weighted sums over (group member, query) in one matmul per part: one read of the probabilities.
         wg = weights.unsqueeze(2).expand(b, 3, g, R).reshape(b, 1, 3, gr) * inv.transpose(-1, -2)
         return out, wg @ es, wg @ en
+
+
+def _heads_matmul(a: Tensor, m: Tensor) -> Tensor:
+    """`a @ m` for `a` `[b, h, rows, k]` and `m` `[b, h or 1, k, cols]`. With one head in `m` (the head pool), the
+    heads are folded into `a`'s rows: one matmul over `m`, where broadcasting would copy `m` once per head."""
+    b, h = a.shape[:2]
+    if m.shape[1] == h:
+        return a @ m
+    return (a.reshape(b, 1, h * a.shape[2], a.shape[-1]) @ m).view(*a.shape[:-1], m.shape[-1])
 
 
 def _loop_blocks(blk: _Block, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
@@ -189,7 +204,7 @@ def signal_totals(totaled: tuple[Tensor, ...], acc: torch.dtype) -> Tensor:
     return torch.stack([x.to(acc).sum(dim=-1) for x in totaled], dim=-1)
 
 
-def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tensor:
+def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor, floor: int | None = None) -> Tensor:
     """The only rule-specific ops: the final score of every candidate. `window` is already clamped to `n`; the
     rule sees it per row as `Signals.window`, counted over real tokens only.
 
@@ -199,11 +214,20 @@ def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tenso
     real candidates, like -inf, and still above empty slots (ties go to the newer position; an empty slot is older than any token). Scores are
     cast to the signals' dtype (float32, float64 for float64 inputs) and ranked in float32 by `evict`: scores that
     differ only beyond float32's precision tie, and the newer candidate wins.
+
+    `floor` (the head-pooled layout only, `fxbudget.pool`): the allocation step. Each head's best `floor` real
+    candidates (in `evict`'s order) are raised to float32's largest finite value (protected ones stay +inf), so the
+    pooled eviction's one top-k over every head of the layer keeps them before any other: `floor = budget` is
+    uniform allocation, `AdaKV.floor(budget)` AdaKV's safeguard.
     """
     # The window as data, per row: how many of the call's real queries `window_attn` sums over. fxbudget's own
     # pads (a call padded to a shape bucket) then change nothing a rule sees (an int would be `min(window, bucket)`).
     new_pos = signals[SIGNAL_NAMES.index("new_pos")]
     rows = (new_pos >= 0).sum(-1).clamp(max=window).view(-1, 1, 1)
+    h = signals[SIGNAL_NAMES.index("pos")].shape[1]
+    # The head pool's slots come with one head: every head's rule sees them all (a view, not a copy).
+    signals = tuple(x.expand(x.shape[0], h, *x.shape[2:]) if name in ("k_slots", "v_slots") and x.shape[1] != h
+                    else x for name, x in zip(SIGNAL_NAMES, signals))
     s = Signals(*signals, budget=budget, window=rows)
     with NoMutation(rule, signals):
         score = rule.score(s)
@@ -214,67 +238,13 @@ def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tenso
     if protect is not None:
         check_output(rule, "protect()", protect, s.pos, floating=False)
         score = score.masked_fill(protect, float("inf"))
-    return score.masked_fill(s.pos < 0, float("-inf"))
-
-
-def _top_indices(x: Tensor, k: int, *, largest: bool) -> Tensor:
-    """`torch.topk(x, k, dim=-1, largest=largest).indices`. For k = 1 (every decode step) an arg-reduction instead,
-    which Inductor fuses into its own loops rather than calling ATen's top-k: the keys ranked for dropping are unique,
-    and where `dst`/`src` tie (no free slot / nothing to write) the write of that row is a no-op either way."""
-    if k == 1:
-        return (x.argmax if largest else x.argmin)(dim=-1, keepdim=True)
-    return torch.topk(x, k, dim=-1, largest=largest).indices
-
-
-def evict(
-    score: Tensor, pos: Tensor, acc_attn: Tensor, key_norm: Tensor, value_norm: Tensor, totals: Tensor,
-    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals_buf: Tensor,
-    k_new: Tensor, v_new: Tensor, *, keep: int,
-) -> None:
-    """Keep the best `keep` candidates and write the surviving new tokens into freed slots, in place."""
-    b, h, S, _ = k_slots.shape
-    n = k_new.shape[2]
-    C = S + n
-    dev = pos.device
-
-    # One exact total order: score, then the newer position; among invalid candidates (empty slots, pads) the highest
-    # index goes first, so a call's pads are dropped before any empty slot and are never written.
-    # Scores map to order-preserving int32 (flip the magnitude bits of negatives) and share an int64 with the
-    # tie-breaker, so one top-k finds the `C - keep` candidates to drop: linear time, deterministic.
-    # -0.0 is mapped to +0.0 first: the two compare equal, so they must tie (the newer wins), not rank by sign bit.
-    score = score.float()
-    bits = torch.where(score == 0, 0.0, score).view(torch.int32)
-    order_key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
-    idx = torch.arange(C, device=dev)
-    tie = torch.where(pos >= 0, pos + C, C - 1 - idx)
-    dropped = _top_indices(order_key * 2**32 + tie, C - keep, largest=False)
-    is_dropped = torch.zeros_like(pos, dtype=torch.bool).scatter(-1, dropped, True)
-    free, new_kept = is_dropped[..., :S], ~is_dropped[..., S:]
-
-    # Pair freed slots (lowest index first) with kept new tokens (in order). There are at least as many freed slots
-    # as kept new tokens; the remaining rows of the fixed-size write hit distinct slots and write them unchanged.
-    t = min(n, S)
-    dst = _top_indices(torch.where(free, S - idx[:S], 0), t, largest=True)
-    src = _top_indices(torch.where(new_kept, n - idx[:n], 0), t, largest=True)
-    write = torch.arange(t, device=dev) < new_kept.sum(dim=-1, keepdim=True)
-    bi = torch.arange(b, device=dev).view(b, 1, 1)
-    hi = torch.arange(h, device=dev).view(1, h, 1)
-
-    def put(slots: Tensor, new: Tensor) -> None:
-        rows = torch.where(write.unsqueeze(-1), new[bi, hi, src], slots[bi, hi, dst])
-        slots.index_put_((bi, hi, dst), rows)
-
-    put(k_slots, k_new)
-    put(v_slots, v_new)
-
-    def refill(old: Tensor, cand: Tensor, empty: float | int) -> Tensor:
-        kept = old.masked_fill(free, empty)
-        return kept.scatter(-1, dst, torch.where(write, cand[..., S:].gather(-1, src), kept.gather(-1, dst)))
-
-    pos_slots.copy_(refill(pos_slots, pos, -1))
-    state.copy_(refill(acc_attn[..., :S], acc_attn, 0.0))
-    norms.copy_(torch.stack([refill(x[..., :S], x, 0.0) for x in (key_norm, value_norm)], dim=-1))
-    totals_buf.copy_(totals)
+    score = score.masked_fill(s.pos < 0, float("-inf"))
+    if floor:
+        C = score.shape[-1]
+        best = _top_indices(_order_key(score, s.pos, C)[0], min(floor, C), largest=True)
+        top = torch.zeros_like(s.pos, dtype=torch.bool).scatter(-1, best, True) & (s.pos >= 0) & (score < float("inf"))
+        score = score.masked_fill(top, torch.finfo(torch.float32).max)
+    return score
 
 
 def auto_block(rows: int, n: int, device: torch.device) -> int:
@@ -299,9 +269,9 @@ def check_block(block) -> None:
 
 def budget_attention(
     q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor | None = None, *,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor | None = None, owner: Tensor | None = None, *,
     rule: Rule, budget: int, keep: int | None = None, sliding: int = 0, window: int = DEFAULT_WINDOW,
-    scale: float | None = None, block: int | None = DEFAULT_BLOCK,
+    scale: float | None = None, block: int | None = DEFAULT_BLOCK, pooled: bool = False,
 ) -> Tensor:
     """Budget-aware attention for one layer and one call; updates the slot tensors in place.
 
@@ -321,6 +291,10 @@ def budget_attention(
         sliding: sliding-window size for sliding layers, 0 for full attention.
         window: observation window for `window_attn`. scale: softmax scale (None = 1/sqrt(head_dim)).
         block: queries per block of the measure phase (memory is O(block x candidates)).
+        owner: the KV head each slot's entry belongs to `[batch, kv_heads, S]` (int32, -1 = free); read and written
+            only with `pooled`.
+        pooled: the head-pooled layout (`fxbudget.pool`): the `kv_heads x S` slots of a row are one pool, spread
+            over the heads by the allocation step (`rule.floor(budget)` for a head-adaptive rule, else `budget`).
 
     Returns:
         The attention output `[batch, q_heads, n, head_dim]`, exact over the visible candidates.
@@ -330,6 +304,12 @@ def budget_attention(
         inv_freq = torch.full((k_slots.shape[-1] // 2,), float("nan"), device=k_slots.device)
     if new_pos.dim() == 1:
         new_pos = new_pos.expand(k_slots.shape[0], -1)
+    if pooled:
+        from .pool import attend_pooled  # the pooled phases build on this module's
+
+        return attend_pooled(q, k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq,
+                             owner, rule=rule, budget=budget, keep=budget if keep is None else keep,
+                             sliding=sliding, window=window, scale=scale, block=block)
     out, new_totals, *signals = measure(q, k_slots, v_slots, pos_slots, state, norms, k_new, v_new, new_pos,
                                         inv_freq, window=window, sliding=sliding, scale=scale, block=block)
     score = rule_region(rule, budget, min(window, k_new.shape[2]), *signals)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from . import preflight
 from .preflight import UsageError
-from .rules_table import rules_table, static_rules_table
+from .rules_table import WRAPPERS, rules_table, static_rules_table
 
 
 def cmd_report(args) -> int:
@@ -28,6 +28,8 @@ def cmd_rules(args) -> int:
         preflight.rule_files(args.rule_file)
         table = rules_table()
     print(table)
+    print()
+    print(WRAPPERS)
     return 0
 
 

@@ -17,6 +17,12 @@ from pathlib import Path
 
 _RULES_DIR = Path(__file__).resolve().parent.parent / "rules"
 _HEADER = ["| rule | what it keeps | hyperparameters (defaults) |", "|---|---|---|"]
+# The wrappers, printed under the table (they are not registered names: they wrap one).
+WRAPPERS = ("Wrappers of any rule above:\n"
+            "- `adakv:<rule>` (`alpha=0.2`; every other parameter goes to `<rule>`): AdaKV's head-adaptive budgets, "
+            "each head keeps its top `alpha x budget`, the rest of the layer's `kv_heads x budget` by one top-k over "
+            "its heads (head-pooled cache: the uniform budget's memory), e.g. `adakv:snapkv`\n"
+            "- `fxbudget.rules.Pyramid(rule, beta=20)` (Python): PyramidKV's per-layer budget schedule")
 
 
 def _line(name: str, doc: str, fields: list[tuple[str, object]]) -> str:
