@@ -18,7 +18,7 @@ from .fingerprint import captured_graphs as _captured_graphs  # noqa: F401  (re-
 from .fingerprint import graph_fingerprint, inspect, kernel_fingerprint  # noqa: F401  (re-export)
 from .forward import ATTN_IMPLEMENTATION, BudgetForward  # noqa: F401  (re-export)
 from .kernel import DEFAULT_BLOCK, check_block
-from .model_cache import layer_devices, model_cache  # noqa: F401  (re-export)
+from .model_cache import check_rule_budget, layer_devices, model_cache, resolve_head_pool  # noqa: F401
 from .regions import compiled_forward
 from .rules import Rule, get
 
@@ -54,7 +54,7 @@ def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: in
 
 def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *, chunk_size: int | None = None,
             backend: str | None = "inductor", headroom: int = 0, block: int | None = DEFAULT_BLOCK,
-            cudagraphs: bool = False, **rule_params) -> nn.Module:
+            cudagraphs: bool = False, head_pool: bool | None = None, **rule_params) -> nn.Module:
     """Run `model` with a KV cache of at most `budget` entries per layer and KV head, evicting with `rule`.
 
     The model is modified in place (its `forward` is wrapped) and returned; `model.forward.restore()` undoes it.
@@ -81,7 +81,12 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
             are marked static before the first compiled call, and generate()'s cache is reused across calls (see
             `BudgetForward`); each decoder layer's region is recorded once per layer and shape (the layers share
             one compiled graph but not their cache addresses).
-        **rule_params: hyperparameters of a named rule, e.g. `window=64` for snapkv.
+        head_pool: the cache layout: the head-pooled one (`BudgetCache(head_pool=True)`), where a layer's heads
+            share its slots, or the per-head slots (False). None (default): pooled iff the rule is head-adaptive
+            (`AdaKV`, `"adakv:<rule>"`), which needs it. A uniform rule runs pooled with the same kept sets, at
+            `kv_heads` times the slot-attention FLOPs (docs/DESIGN.md).
+        **rule_params: hyperparameters of a named rule, e.g. `window=64` for snapkv (for `"adakv:<rule>"`,
+            `alpha` goes to AdaKV, the rest to the wrapped rule).
 
     Returns:
         The same model, whose forward (and therefore `generate`) now uses the budget cache. If its first call finds
@@ -90,6 +95,9 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
     """
     _validate(model, budget, backend, chunk_size, cudagraphs)
     rule_obj = get(rule, **rule_params)
+    resolve_head_pool(rule_obj, head_pool)
+    if getattr(model, "config", None) is not None:
+        check_rule_budget(rule_obj, budget, model.config)
     check_int("headroom", headroom, 0)
     check_block(block)
     if rule_obj.needs_rope and getattr(model, "config", None) is not None \
@@ -97,7 +105,7 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
         raise ValueError(f"rule {rule_obj.name!r} needs the model's RoPE frequencies, and this model does not use "
                          "default RoPE on its full-attention layers")
     return BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend, headroom=headroom,
-                         block=block, cudagraphs=cudagraphs).install()
+                         block=block, cudagraphs=cudagraphs, head_pool=head_pool).install()
 
 
 def frozen_runner(model: nn.Module, backend: str, window: int, *, block: int | None = DEFAULT_BLOCK,

@@ -35,7 +35,12 @@ class CallPositions:
 
 class BudgetLayer(CacheLayerMixin):
     """One layer's slots: keys/values `[batch, kv_heads, slots, head_dim]`, positions (-1 = empty), accumulated
-    attention. `slots = budget + headroom` for budgeted layers, `= sliding window` for sliding layers."""
+    attention, and each slot's owner (the KV head whose entry it holds). `slots = budget + headroom` for budgeted
+    layers, `= sliding window` for sliding layers.
+
+    With `pooled` (the head-pooled layout, docs/DESIGN.md), the `kv_heads x slots` slots of a row form one pool any
+    head's entry may occupy: slot `s` of row `i` holds head `owner[b, i, s]`'s entry (when its position is >= 0).
+    Unpooled, `owner[b, i, s] = i` always (the kernel never reads it)."""
 
     # Fixed shapes, so it does compile; False keeps generate() from building 4-D masks we never use (and from
     # hiding the 2-D padding mask that BudgetForward checks) and from compiling the forward a second time.
@@ -44,10 +49,11 @@ class BudgetLayer(CacheLayerMixin):
 
     def __init__(self, *, layer: int, budget: int, slots: int, sliding: int, batch_size: int, kv_heads: int,
                  head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device,
-                 inv_freq: Tensor | None = None, call: CallPositions | None = None):
+                 inv_freq: Tensor | None = None, call: CallPositions | None = None, pooled: bool = False):
         super().__init__()
         self.call = call if call is not None else CallPositions()
         self.layer, self.budget, self.slots, self.sliding = layer, budget, slots, sliding
+        self.pooled = bool(pooled) and not sliding  # sliding layers hold their window, not a budget: never pooled
         self.is_sliding = bool(sliding)
         self.dtype, self.device = dtype, device
         self.batch_size, self.num_heads = batch_size, kv_heads
@@ -58,6 +64,8 @@ class BudgetLayer(CacheLayerMixin):
         self.norms = torch.zeros(batch_size, kv_heads, slots, 2, dtype=torch.float32, device=device)  # |k|, |v|
         # Per-call totals of each kernel signal (kernel.TOTALED): diagnostics, and what keeps every signal live.
         self.totals = torch.zeros(batch_size, kv_heads, len(TOTALED), dtype=torch.float32, device=device)
+        self.owner = torch.empty(batch_size, kv_heads, slots, dtype=torch.int32, device=device)
+        self._own_rows()
         self.seen = torch.zeros((), dtype=torch.long, device=device)  # total tokens seen: RoPE keeps counting
         self.keep = budget  # entries kept per call: the budget, or every slot while eviction is frozen
         # RoPE frequencies of this layer's keys/queries (a signal for rules that model future queries); NaN if unknown.
@@ -84,11 +92,11 @@ class BudgetLayer(CacheLayerMixin):
                 new_pos, advance = new_pos.to(self.device), advance.to(self.device)
             self.seen.add_(advance)
         tensors = (self.keys, self.values, self.pos, self.state, self.norms, self.totals, key_states, value_states,
-                   new_pos, self.inv_freq)
-        k, v = torch.ops.fxbudget.candidates(*tensors, layer, self.budget, self.keep, self.sliding)
+                   new_pos, self.inv_freq, self.owner)
+        k, v = torch.ops.fxbudget.candidates(*tensors, layer, self.budget, self.keep, self.sliding, self.pooled)
         if not torch.compiler.is_compiling():
             mode = require_interceptor()  # eager: the interceptor must be active, or SDPA would be wrong
-            call = MarkerCall(tensors, self.layer, self.budget, self.keep, self.sliding)
+            call = MarkerCall(tensors, self.layer, self.budget, self.keep, self.sliding, self.pooled)
             k._fxbudget, v._fxbudget = call, call
             mode.pending[id(call)] = self.layer
         return k, v
@@ -105,9 +113,30 @@ class BudgetLayer(CacheLayerMixin):
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor the compiled kernel reads or writes in place (what `BudgetCache.mark_static` marks)."""
-        return self.keys, self.values, self.pos, self.state, self.norms, self.totals, self.seen, self.inv_freq
+        return (self.keys, self.values, self.pos, self.state, self.norms, self.totals, self.seen, self.inv_freq,
+                self.owner)
+
+    def head_positions(self) -> Tensor:
+        """The positions each KV head holds, `[batch, kv_heads, C]` (-1 = none): `C = slots` unpooled, `kv_heads x
+        slots` pooled (head `j`'s row lists the pool's slots, its own entries' positions, -1 elsewhere)."""
+        if not self.pooled:
+            return self.pos.clone()
+        b, h, S = self.pos.shape
+        heads = torch.arange(h, device=self.pos.device, dtype=self.owner.dtype).view(1, h, 1)
+        pos, owner = self.pos.reshape(b, 1, h * S), self.owner.reshape(b, 1, h * S)
+        return torch.where((owner == heads) & (pos >= 0), pos, -1)
+
+    def head_counts(self) -> Tensor:
+        """Entries held per KV head, `[batch, kv_heads]` (long)."""
+        return (self.head_positions() >= 0).sum(dim=-1)
+
+    def _own_rows(self) -> None:
+        # owner[b, i, s] = i: each row's slots belong to its own head (the unpooled layout; a pool's initial state).
+        self.owner.copy_(torch.arange(self.num_heads, dtype=torch.int32, device=self.owner.device).view(1, -1, 1)
+                         .expand_as(self.owner))
 
     def reset(self) -> None:
+        self._own_rows()
         self.keys.zero_()
         self.values.zero_()
         self.pos.fill_(-1)
@@ -143,11 +172,17 @@ class BudgetCache(Cache):
             and answer appended after a compressed context (DESIGN §6, query-agnostic protocol).
         layer_budgets: per-layer budgets of the full-attention layers (e.g. PyramidKV's schedule); they must sum to
             `budget` times the number of those layers, so the cache holds the same memory as a uniform one.
+        head_pool: the head-pooled layout: each full-attention layer's `kv_heads x (budget + headroom)` slots are
+            one pool the heads share, so a head-adaptive rule (`AdaKV`) can spread the layer's `kv_heads x budget`
+            entries unevenly over the heads in the same memory (docs/DESIGN.md). A uniform rule runs on it too (its
+            kept sets are the unpooled layout's). Sliding layers are never pooled.
     """
 
     def __init__(self, config, budget: int, batch_size: int = 1, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | list | tuple | None = None, headroom: int = 0,
-                 layer_budgets: list[int] | None = None):
+                 layer_budgets: list[int] | None = None, head_pool: bool = False):
+        if not isinstance(head_pool, bool):
+            raise ValueError(f"head_pool must be a bool, got {head_pool!r}")
         for name, val, low in (("budget", budget, 1), ("batch_size", batch_size, 1), ("headroom", headroom, 0)):
             check_int(name, val, low)
         n_layers, kv_heads, head_dim, heads, types = layer_shapes(config)
@@ -183,9 +218,9 @@ class BudgetCache(Cache):
             layers.append(BudgetLayer(
                 layer=i, budget=b, slots=sliding or b + headroom, sliding=sliding,
                 batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
-                dtype=dtype, device=devices[i], inv_freq=inv_freq, call=self.call))
+                dtype=dtype, device=devices[i], inv_freq=inv_freq, call=self.call, pooled=head_pool))
         super().__init__(layers=layers)
-        self.budget, self.headroom, self.dtype = budget, headroom, dtype
+        self.budget, self.headroom, self.dtype, self.head_pool = budget, headroom, dtype, head_pool
         self.devices, self.device = devices, devices[0]  # each layer's; the first layer's (positions live there)
         self.layer_budgets = [layer.budget for layer in self._budgeted()]
         self.has_rope = all(rope_known)
@@ -203,6 +238,15 @@ class BudgetCache(Cache):
     def positions(self, layer_idx: int) -> Tensor:
         """Original positions held by a layer, `[batch, kv_heads, slots]` (-1 = empty slot)."""
         return self.layers[layer_idx].pos.clone()
+
+    def head_positions(self, layer_idx: int) -> Tensor:
+        """The positions each KV head of a layer holds, `[batch, kv_heads, C]` (-1 = none), in either layout:
+        `C = slots` unpooled, `kv_heads x slots` pooled (`BudgetLayer.head_positions`)."""
+        return self.layers[layer_idx].head_positions()
+
+    def head_counts(self, layer_idx: int) -> Tensor:
+        """Entries each KV head of a layer holds, `[batch, kv_heads]`."""
+        return self.layers[layer_idx].head_counts()
 
     def get_seq_length(self, layer_idx: int = 0) -> Tensor:
         """Total tokens seen (a 0-d tensor, so position ids keep growing without recompiles), not slots filled."""

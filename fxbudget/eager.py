@@ -119,4 +119,5 @@ def run_kernel(query, call, scale, cfg: BudgetAttentionMode):
         record.append((query, call, scale))
     rule = cfg.sliding_rule if call.sliding else cfg.rule
     return budget_attention(query, *call.tensors, rule=rule, budget=call.budget, keep=call.keep,
-                            sliding=call.sliding, window=cfg.window, scale=scale, block=cfg.block)
+                            sliding=call.sliding, window=cfg.window, scale=scale, block=cfg.block,
+                            pooled=call.pooled)

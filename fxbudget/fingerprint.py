@@ -43,14 +43,15 @@ def _maskless_attention(model):
 
 
 def captured_graphs(model, input_ids, rule, budget, cache, rule_params, *, block: int | None = DEFAULT_BLOCK,
-                    decode: bool = False) -> list[fx.GraphModule]:
-    """The rewritten graphs of one forward on `input_ids` (and, with `decode`, of one more token after it)."""
+                    decode: bool = False, head_pool: bool | None = None) -> list[fx.GraphModule]:
+    """The rewritten graphs of one forward on `input_ids` (and, with `decode`, of one more token after it), on
+    `cache` or a fresh one in the layout `head_pool` (`fxbudget.compile`'s)."""
     check_block(block)
     graphs: list[fx.GraphModule] = []
     fwd = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
     backend = make_backend(rule, inner="eager", on_graph=graphs.append, block=block, **rule_params)
     if cache is None:
-        cache = model_cache(model, backend.rule, budget, input_ids.shape[0])
+        cache = model_cache(model, backend.rule, budget, input_ids.shape[0], head_pool=head_pool)
     run = whole_model_forward(fwd, backend)  # every layer in one graph: what `inspect` reports per layer
     with torch.no_grad(), _maskless_attention(model):
         run(input_ids=input_ids, use_cache=True, **cache_kwargs(fwd, cache))
@@ -60,7 +61,7 @@ def captured_graphs(model, input_ids, rule, budget, cache, rule_params, *, block
 
 
 def inspect(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "snapkv", budget: int = 1024,
-            cache: BudgetCache | None = None, **rule_params) -> str:
+            cache: BudgetCache | None = None, head_pool: bool | None = None, **rule_params) -> str:
     """The rewritten graph's Python code for one forward of `model` on `input_ids` (model left unmodified).
 
     Args:
@@ -68,12 +69,13 @@ def inspect(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
             `past_key_values=`).
         input_ids: a sample input; its length fixes the shapes of the traced graph.
         rule, budget, **rule_params: as for `fxbudget.compile`.
-        cache: the BudgetCache to trace with (default: a fresh one for the model's config).
+        cache: the BudgetCache to trace with (default: a fresh one for the model's config, in the layout
+            `head_pool`, as for `fxbudget.compile`).
     Returns:
         The code of the rewritten graph(s), as `torch.fx` prints it.
     """
     check_int("budget", budget)
-    graphs = captured_graphs(model, input_ids, rule, budget, cache, rule_params)
+    graphs = captured_graphs(model, input_ids, rule, budget, cache, rule_params, head_pool=head_pool)
     return "\n".join(gm.code.strip() for gm in graphs)
 
 
@@ -145,7 +147,7 @@ def probe_ids(model: nn.Module, batch: int = 1) -> torch.Tensor:
 
 def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor | None = None, *, rule: str | Rule = "snapkv",
                        budget: int = 1024, cache: BudgetCache | None = None, block: int | None = None,
-                       **rule_params) -> str:
+                       head_pool: bool | None = None, **rule_params) -> str:
     """Hash of the rewritten graphs with the rule's ops abstracted: equal for every rule means one shared kernel.
 
     The one definition, printed by `fxbudget inspect` and recorded by every `compare` row: with `input_ids=None`
@@ -158,6 +160,9 @@ def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor | None = None, 
         model: as for `inspect`. input_ids: another traced input (its length is part of the hash; then the block
             defaults to half its length). rule, budget, cache, **rule_params: as for `inspect`.
         block: the query block (default: `PROBE_BLOCK` for the probe, half the length otherwise).
+        head_pool: the cache layout, as for `fxbudget.compile` (None: pooled iff the rule is head-adaptive). A run
+            that compares a head-adaptive rule runs every rule pooled: one fingerprint for all of them, and not the
+            unpooled layout's.
     Returns:
         A hex sha256 string.
     """
@@ -166,4 +171,4 @@ def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor | None = None, 
         input_ids, block = probe_ids(model), PROBE_BLOCK if block is None else block
     block = max(2, (input_ids.shape[1] + 1) // 2) if block is None else block
     return graph_fingerprint(captured_graphs(model, input_ids, rule, budget, cache, rule_params, block=block,
-                                             decode=True))
+                                             decode=True, head_pool=head_pool))

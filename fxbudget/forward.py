@@ -19,7 +19,7 @@ from .cache import BudgetCache
 from .cache_arg import cache_name, pick_cache
 from .eager import BudgetAttentionMode
 from .kernel import DEFAULT_BLOCK
-from .model_cache import check_cache, model_cache
+from .model_cache import check_cache, model_cache, resolve_head_pool
 from .positions import call_positions
 from .regions import compiled_forward
 from .rules import Rule, get
@@ -61,10 +61,12 @@ class BudgetForward:
     _failure: str | None = None  # set when the first call found nothing to budget
 
     def __init__(self, model: nn.Module, rule: Rule, budget: int, *, chunk_size: int | None,
-                 backend: str | None, headroom: int, block: int | None = DEFAULT_BLOCK, cudagraphs: bool = False):
+                 backend: str | None, headroom: int, block: int | None = DEFAULT_BLOCK, cudagraphs: bool = False,
+                 head_pool: bool | None = None):
         """Build the forward of `model` (not yet installed: see `install`); the compiled graphs live here, so a
         forward installed, restored and installed again keeps them."""
         self.model, self.rule, self.budget, self.block = model, rule, budget, block
+        self.head_pool = resolve_head_pool(rule, head_pool)  # the cache layout of every cache this forward uses
         self.chunk_size, self.backend, self.headroom, self.cudagraphs = chunk_size, backend, headroom, cudagraphs
         self.window = kernel_window(rule)
         self.original = model.forward
@@ -184,7 +186,8 @@ class BudgetForward:
         """A fresh `BudgetCache` for this model (its dtype and device), its per-layer budgets sized for a prefill of
         `prompt` tokens if given (pyramidkv adapts its schedule to the prompt; None = the rule's fixed schedule)."""
         return model_cache(self.model, self.rule, self.budget, batch_size,
-                           headroom=self.headroom if headroom is None else headroom, prompt=prompt)
+                           headroom=self.headroom if headroom is None else headroom, prompt=prompt,
+                           head_pool=self.head_pool)
 
     def _generate_cache(self, batch: int, n: int) -> BudgetCache:
         """The cache of a new sequence (generate()'s first call); with cudagraphs, the same one again, reset."""
@@ -207,7 +210,7 @@ class BudgetForward:
                             f"got {type(cache).__name__}")
         if cache is self._checked_cache and cache.batch_size == batch:
             return cache  # its model, dtype, device and budgets were checked on an earlier call and cannot change
-        check_cache(cache, self.model, self.rule, self.budget, batch)
+        check_cache(cache, self.model, self.rule, self.budget, batch, self.head_pool)
         if self.cudagraphs:
             cache.mark_static()  # before the first compiled call that sees it
         self._checked_cache = cache

@@ -54,7 +54,10 @@ def measure(
     pass) loops with a `scan` higher-order op of static shapes, so the compiled graph does not grow with `n` and
     holds no host sync: there a full layer's block masks the later tokens instead of skipping them (`_scan_blocks`).
     """
-    b, h, S, d = k_slots.shape
+    # The slots' head dim may be 1 (the head-pooled layout, `fxbudget.pool`: every head sees the whole pool); the
+    # heads and slots each head sees are those of its positions.
+    b, h, S = pos_slots.shape
+    d = k_slots.shape[-1]
     n = k_new.shape[2]
     g = q.shape[1] // h
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -129,7 +132,7 @@ class _Block:
         qs = qb * self.scale  # scaled once here ([queries, d]), not in the [queries, candidates] logits
 
         def logits(k: Tensor, kpos: Tensor) -> Tensor:
-            lg = (qs @ k.transpose(-1, -2)).view(b, h, g, R, -1)
+            lg = _heads_matmul(qs, k.transpose(-1, -2)).view(b, h, g, R, -1)
             kp = kpos.unsqueeze(2).unsqueeze(2)  # [b, h or 1, 1, 1, candidates]
             vis = (kp >= 0) & (kp <= qp)
             if self.sliding:
@@ -150,10 +153,19 @@ class _Block:
         denom = es.sum(dim=-1, keepdim=True) + en.sum(dim=-1, keepdim=True)
         # The normalization is applied to the small results ([queries, d] and the weights), not to the probabilities.
         inv = 1.0 / denom.masked_fill(denom == 0, 1.0)  # [b, h, group * R, 1]
-        out = (es @ self.v_slots + en @ self.v_new.narrow(2, c0, length)) * inv
+        out = (_heads_matmul(es, self.v_slots) + en @ self.v_new.narrow(2, c0, length)) * inv
         # The three weighted sums over (group member, query) in one matmul per part: one read of the probabilities.
         wg = weights.unsqueeze(2).expand(b, 3, g, R).reshape(b, 1, 3, gr) * inv.transpose(-1, -2)
         return out, wg @ es, wg @ en
+
+
+def _heads_matmul(a: Tensor, m: Tensor) -> Tensor:
+    """`a @ m` for `a` `[b, h, rows, k]` and `m` `[b, h or 1, k, cols]`. With one head in `m` (the head pool), the
+    heads are folded into `a`'s rows: one matmul over `m`, where broadcasting would copy `m` once per head."""
+    b, h = a.shape[:2]
+    if m.shape[1] == h:
+        return a @ m
+    return (a.reshape(b, 1, h * a.shape[2], a.shape[-1]) @ m).view(*a.shape[:-1], m.shape[-1])
 
 
 def _loop_blocks(blk: _Block, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
@@ -243,7 +255,7 @@ def signal_totals(totaled: tuple[Tensor, ...], acc: torch.dtype) -> Tensor:
     return torch.stack([x.to(acc).sum(dim=-1) for x in totaled], dim=-1)
 
 
-def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tensor:
+def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor, floor: int | None = None) -> Tensor:
     """The only rule-specific ops: the final score of every candidate. `window` is already clamped to `n`; the
     rule sees it per row as `Signals.window`, counted over real tokens only.
 
@@ -253,6 +265,11 @@ def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tenso
     real candidates, like -inf, and still above empty slots (ties go to the newer position; an empty slot is older than any token). Scores are
     cast to the signals' dtype (float32, float64 for float64 inputs) and ranked in float32 by `evict`: scores that
     differ only beyond float32's precision tie, and the newer candidate wins.
+
+    `floor` (the head-pooled layout only, `fxbudget.pool`): the allocation step. Each head's best `floor` real
+    candidates (in `evict`'s order) are raised to float32's largest finite value (protected ones stay +inf), so the
+    pooled eviction's one top-k over every head of the layer keeps them before any other: `floor = budget` is
+    uniform allocation, `AdaKV.floor(budget)` AdaKV's safeguard.
     """
     # The window as data, per row: how many of the call's real queries `window_attn` sums over. fxbudget's own
     # pads (a call padded to a shape bucket) then change nothing a rule sees (an int would be `min(window, bucket)`).
@@ -268,7 +285,13 @@ def rule_region(rule: Rule, budget: int, window: int, *signals: Tensor) -> Tenso
     if protect is not None:
         check_output(rule, "protect()", protect, s.pos, floating=False)
         score = score.masked_fill(protect, float("inf"))
-    return score.masked_fill(s.pos < 0, float("-inf"))
+    score = score.masked_fill(s.pos < 0, float("-inf"))
+    if floor:
+        C = score.shape[-1]
+        best = _top_indices(_order_key(score, s.pos, C)[0], min(floor, C), largest=True)
+        top = torch.zeros_like(s.pos, dtype=torch.bool).scatter(-1, best, True) & (s.pos >= 0) & (score < float("inf"))
+        score = score.masked_fill(top, torch.finfo(torch.float32).max)
+    return score
 
 
 def _top_indices(x: Tensor, k: int, *, largest: bool) -> Tensor:
@@ -283,9 +306,13 @@ def _top_indices(x: Tensor, k: int, *, largest: bool) -> Tensor:
 def evict(
     score: Tensor, pos: Tensor, acc_attn: Tensor, key_norm: Tensor, value_norm: Tensor, totals: Tensor,
     k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals_buf: Tensor,
-    k_new: Tensor, v_new: Tensor, *, keep: int,
+    k_new: Tensor, v_new: Tensor, *, keep: int, owner: Tensor | None = None, cand_owner: Tensor | None = None,
+    tie_pos: Tensor | None = None,
 ) -> None:
-    """Keep the best `keep` candidates and write the surviving new tokens into freed slots, in place."""
+    """Keep the best `keep` candidates and write the surviving new tokens into freed slots, in place.
+
+    The head-pooled layout (`fxbudget.pool.evict_pooled`) also passes the slots' `owner` (refilled like the
+    positions, from `cand_owner`) and `tie_pos`, the candidates' tie-breaking order in place of their positions."""
     b, h, S, _ = k_slots.shape
     n = k_new.shape[2]
     C = S + n
@@ -296,12 +323,8 @@ def evict(
     # Scores map to order-preserving int32 (flip the magnitude bits of negatives) and share an int64 with the
     # tie-breaker, so one top-k finds the `C - keep` candidates to drop: linear time, deterministic.
     # -0.0 is mapped to +0.0 first: the two compare equal, so they must tie (the newer wins), not rank by sign bit.
-    score = score.float()
-    bits = torch.where(score == 0, 0.0, score).view(torch.int32)
-    order_key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
-    idx = torch.arange(C, device=dev)
-    tie = torch.where(pos >= 0, pos + C, C - 1 - idx)
-    dropped = _top_indices(order_key * 2**32 + tie, C - keep, largest=False)
+    key, idx = _order_key(score, pos, C, tie_pos)
+    dropped = _top_indices(key, C - keep, largest=False)
     is_dropped = torch.zeros_like(pos, dtype=torch.bool).scatter(-1, dropped, True)
     free, new_kept = is_dropped[..., :S], ~is_dropped[..., S:]
 
@@ -326,9 +349,23 @@ def evict(
         return kept.scatter(-1, dst, torch.where(write, cand[..., S:].gather(-1, src), kept.gather(-1, dst)))
 
     pos_slots.copy_(refill(pos_slots, pos, -1))
+    if owner is not None:
+        owner.copy_(refill(owner, cand_owner, -1))
     state.copy_(refill(acc_attn[..., :S], acc_attn, 0.0))
     norms.copy_(torch.stack([refill(x[..., :S], x, 0.0) for x in (key_norm, value_norm)], dim=-1))
     totals_buf.copy_(totals)
+
+
+def _order_key(score: Tensor, pos: Tensor, C: int, tie_pos: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`evict`'s total order of the `C` candidates as one int64 (larger = kept first): the score in float32, then
+    the newer position (`tie_pos` in its place if given); invalid candidates last, the highest index first.
+    Returns the key and the candidates' indices `arange(C)`."""
+    score = score.float()
+    bits = torch.where(score == 0, 0.0, score).view(torch.int32)
+    order_key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
+    idx = torch.arange(C, device=pos.device)
+    tie = torch.where(pos >= 0, (pos if tie_pos is None else tie_pos) + C, C - 1 - idx)
+    return order_key * 2**32 + tie, idx
 
 
 def auto_block(rows: int, n: int, device: torch.device) -> int:
@@ -353,9 +390,9 @@ def check_block(block) -> None:
 
 def budget_attention(
     q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor | None = None, *,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor | None = None, owner: Tensor | None = None, *,
     rule: Rule, budget: int, keep: int | None = None, sliding: int = 0, window: int = DEFAULT_WINDOW,
-    scale: float | None = None, block: int | None = DEFAULT_BLOCK,
+    scale: float | None = None, block: int | None = DEFAULT_BLOCK, pooled: bool = False,
 ) -> Tensor:
     """Budget-aware attention for one layer and one call; updates the slot tensors in place.
 
@@ -375,6 +412,10 @@ def budget_attention(
         sliding: sliding-window size for sliding layers, 0 for full attention.
         window: observation window for `window_attn`. scale: softmax scale (None = 1/sqrt(head_dim)).
         block: queries per block of the measure phase (memory is O(block x candidates)).
+        owner: the KV head each slot's entry belongs to `[batch, kv_heads, S]` (int32, -1 = free); read and written
+            only with `pooled`.
+        pooled: the head-pooled layout (`fxbudget.pool`): the `kv_heads x S` slots of a row are one pool, spread
+            over the heads by the allocation step (`rule.floor(budget)` for a head-adaptive rule, else `budget`).
 
     Returns:
         The attention output `[batch, q_heads, n, head_dim]`, exact over the visible candidates.
@@ -384,6 +425,12 @@ def budget_attention(
         inv_freq = torch.full((k_slots.shape[-1] // 2,), float("nan"), device=k_slots.device)
     if new_pos.dim() == 1:
         new_pos = new_pos.expand(k_slots.shape[0], -1)
+    if pooled:
+        from .pool import attend_pooled  # the pooled phases build on this module's
+
+        return attend_pooled(q, k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq,
+                             owner, rule=rule, budget=budget, keep=budget if keep is None else keep,
+                             sliding=sliding, window=window, scale=scale, block=block)
     out, new_totals, *signals = measure(q, k_slots, v_slots, pos_slots, state, norms, k_new, v_new, new_pos,
                                         inv_freq, window=window, sliding=sliding, scale=scale, block=block)
     score = rule_region(rule, budget, min(window, k_new.shape[2]), *signals)

@@ -16,6 +16,31 @@ def layer_budgets(rule: Rule, budget: int, config, prompt: int | None = None) ->
     return rule.layer_budgets(budget, _layer_shapes(config)[4].count("full_attention"), prompt=prompt)
 
 
+def resolve_head_pool(rule: Rule, head_pool: bool | None) -> bool:
+    """The cache layout a run of `rule` uses: `head_pool`, or (None) the head-pooled layout iff the rule is
+    head-adaptive (`AdaKV`). A uniform rule may run pooled; a head-adaptive one needs the pool.
+
+    Raises:
+        ValueError: `head_pool` not a bool or None, or False for a head-adaptive rule.
+    """
+    if head_pool is not None and not isinstance(head_pool, bool):
+        raise ValueError(f"head_pool must be True, False or None (pooled iff the rule is head-adaptive), "
+                         f"got {head_pool!r}")
+    adaptive = bool(getattr(rule, "head_adaptive", False))
+    if head_pool is False and adaptive:
+        raise ValueError(f"rule {rule.name!r} spreads the budget over heads and needs the head-pooled cache layout: "
+                         "pass head_pool=True or None")
+    return adaptive if head_pool is None else head_pool
+
+
+def check_rule_budget(rule: Rule, budget: int, config, prompt: int | None = None) -> None:
+    """A head-adaptive rule's check of its layer budgets against the tokens it protects per head (no-op for the
+    others): before any model work."""
+    check = getattr(rule, "check_budget", None)
+    if check is not None:
+        check(layer_budgets(rule, budget, config, prompt) or [budget])
+
+
 def layer_devices(model: nn.Module) -> list[torch.device]:
     """Where each decoder layer computes its keys, so where its cache slots must live: the device of the layer's
     weights, or the execution device accelerate dispatches an offloaded layer to. A model on one device gives that
@@ -52,22 +77,31 @@ def _where(devices: list[torch.device]) -> str:
 
 
 def model_cache(model: nn.Module, rule: Rule, budget: int, batch_size: int = 1, *,
-                headroom: int = 0, prompt: int | None = None) -> BudgetCache:
+                headroom: int = 0, prompt: int | None = None, head_pool: bool | None = None) -> BudgetCache:
     """A fresh `BudgetCache` for `model` (its config, dtype and each layer's device, `layer_devices`) and `rule`'s
     per-layer budgets, sized for a prefill of `prompt` tokens when given (schedules such as pyramidkv's adapt to it;
-    None = the fixed schedule)."""
+    None = the fixed schedule), in the layout `resolve_head_pool(rule, head_pool)`."""
     if getattr(model, "config", None) is None:
         raise ValueError("this model has no .config: pass a fxbudget.BudgetCache(config, budget) explicitly")
+    pooled = resolve_head_pool(rule, head_pool)
+    check_rule_budget(rule, budget, model.config, prompt)
     p = next(model.parameters())
     cache = BudgetCache(model.config, budget, batch_size, dtype=p.dtype, device=layer_devices(model),
-                        headroom=headroom, layer_budgets=layer_budgets(rule, budget, model.config, prompt))
+                        headroom=headroom, layer_budgets=layer_budgets(rule, budget, model.config, prompt),
+                        head_pool=pooled)
     cache.sized_for_prompt = prompt  # what BudgetForward checks its layer budgets against
     return cache
 
 
-def check_cache(cache: BudgetCache, model: nn.Module, rule: Rule, budget: int, batch: int) -> None:
+def check_cache(cache: BudgetCache, model: nn.Module, rule: Rule, budget: int, batch: int,
+                head_pool: bool | None = None) -> None:
     """Raise a ValueError unless `cache` was built for `model`, `rule`'s per-layer budgets, `budget` and `batch`
-    rows, with the model's dtype and each layer's device."""
+    rows, with the model's dtype and each layer's device, in the layout `resolve_head_pool(rule, head_pool)`."""
+    pooled = resolve_head_pool(rule, head_pool)
+    if cache.head_pool != pooled:
+        layout = {True: "head-pooled", False: "unpooled (slots)"}
+        raise ValueError(f"cache layout is {layout[cache.head_pool]}, the compiled run's is {layout[pooled]}: build "
+                         f"it with model.forward.new_cache() or BudgetCache(..., head_pool={pooled})")
     if cache.budget != budget:
         raise ValueError(f"cache budget {cache.budget} differs from the compiled budget {budget}")
     if cache.batch_size != batch:

@@ -20,6 +20,8 @@ from ..backend import kernel_window
 from ..cache import MARKER_TENSORS, BudgetCache
 from ..eager import recording
 from ..kernel import DEFAULT_BLOCK, DEFAULT_WINDOW, SIGNAL_NAMES, TOTALED, budget_attention, evict, rule_region, signal_totals
+from ..pool import evict_pooled, head_view
+from ..rules.adakv import allocation_floor
 from ..rules import Rule, get
 from ..rules.base import Signals
 
@@ -107,9 +109,10 @@ def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str) -> None
             layer.seen.add_(prefill.n)
             if window != prefill.window:  # the recorded signals are for another window: replay the kernel call
                 budget_attention(query, layer.keys, layer.values, layer.pos, layer.state, layer.norms,
-                                 layer.totals, t[_K], t[_V], t[_P], layer.inv_freq,
+                                 layer.totals, t[_K], t[_V], t[_P], layer.inv_freq, layer.owner,
                                  rule=sliding_rule if layer.sliding else rule, budget=layer.budget, keep=layer.keep,
-                                 sliding=layer.sliding, window=window, scale=scale, block=prefill.block)
+                                 sliding=layer.sliding, window=window, scale=scale, block=prefill.block,
+                                 pooled=layer.pooled)
                 if not layer.sliding:
                     next(signals)
                 continue
@@ -125,22 +128,35 @@ def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str) -> None
 
 def _evict_from_signals(rec: dict, layer, rule: Rule, window: int, v_new: Tensor) -> None:
     """`rule_region` + `evict` of the kernel on the recorded signals, the empty slots' part filled in as `measure`
-    computes it for empty slots: zero attention and norms, the carried state (zero), position -1."""
-    slot_part = {"pos": layer.pos, "acc_attn": layer.state, "key_norm": layer.norms[..., 0],
-                 "value_norm": layer.norms[..., 1]}
+    computes it for empty slots: zero attention and norms, the carried state (zero), position -1. A head-pooled
+    layer's slots are seen per head (`fxbudget.pool`), as `measure_pooled` hands them to the rule."""
+    pos, state, norms = layer.pos, layer.state, layer.norms
+    keys, values, slots = layer.keys, layer.values, layer.slots
+    if layer.pooled:
+        b, h, S, d = keys.shape
+        pos, state, norms = (head_view(x, layer.owner, e) for x, e in ((pos, -1), (state, 0.0), (norms, 0.0)))
+        keys = keys.view(b, 1, h * S, d).expand(b, h, h * S, d)
+        values = values.view(b, 1, h * S, values.shape[-1]).expand(b, h, h * S, values.shape[-1])
+        slots = h * S
+    slot_part = {"pos": pos, "acc_attn": state, "key_norm": norms[..., 0], "value_norm": norms[..., 1]}
     sig = {}
     for name in SIGNAL_NAMES:
         if name in _PER_CANDIDATE:
             new = rec[name]
-            slots = slot_part.get(name)
-            slots = torch.zeros_like(new[..., :1]).expand(*new.shape[:-1], layer.slots) if slots is None \
-                else slots.to(new.dtype)
-            sig[name] = torch.cat([slots, new], dim=-1)
+            part = slot_part.get(name)
+            part = torch.zeros_like(new[..., :1]).expand(*new.shape[:-1], slots) if part is None \
+                else part.to(new.dtype)
+            sig[name] = torch.cat([part, new], dim=-1)
         else:
-            sig[name] = {"k_slots": layer.keys, "v_slots": layer.values}[name] if name in _SLOT_TENSORS else rec[name]
+            sig[name] = {"k_slots": keys, "v_slots": values}[name] if name in _SLOT_TENSORS else rec[name]
     n = rec["k_new"].shape[2]
-    score = rule_region(rule, layer.budget, min(window, n), *sig.values())
+    floor = {"floor": allocation_floor(rule, layer.budget)} if layer.pooled else {}
+    score = rule_region(rule, layer.budget, min(window, n), *sig.values(), **floor)
     totals = signal_totals(tuple(sig[name] for name in TOTALED), sig["attn"].dtype)
-    evict(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], totals, layer.keys,
-          layer.values, layer.pos, layer.state, layer.norms, layer.totals, rec["k_new"], v_new, keep=layer.keep)
+    args = (score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], totals, layer.keys,
+            layer.values, layer.pos, layer.state, layer.norms, layer.totals, rec["k_new"], v_new)
+    if layer.pooled:
+        evict_pooled(*args, layer.owner, keep=layer.keep)
+    else:
+        evict(*args, keep=layer.keep)
 

@@ -28,6 +28,8 @@ from torch.utils import _pytree as pytree
 from ..cache import MARKER_TENSORS  # importing cache also registers the marker op
 from ..marker import NoBudgetAttentionError
 from ..kernel import DEFAULT_BLOCK, SIGNAL_NAMES, evict, measure, rule_region
+from ..pool import evict_pooled, measure_pooled
+from ..rules.adakv import allocation_floor
 from ..rule_contract import RuleContractError, rule_name, storage_id, written_args
 from ..rules.base import Rule
 from ..sdpa_args import bind, check
@@ -241,20 +243,31 @@ def _check_pure(gm: fx.GraphModule, rule: Rule) -> None:
                                     f"({node.target}): a rule must be a pure function of the signals")
 
 
+def phase_args(pooled: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The kernel tensors `measure` and `evict` take (after the signals), in order: the pooled phases also take
+    the slots' owner."""
+    return (_MEASURE_ARGS + ("owner",), _EVICT_ARGS + ("owner",)) if pooled else (_MEASURE_ARGS, _EVICT_ARGS)
+
+
 def _trace_phases(fake: dict, rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
-                  scale: float | None, block: int, mode: FakeTensorMode) -> KernelTrace:
-    phase1 = functools.partial(measure, window=window, sliding=sliding, scale=scale, block=block, traced=True)
-    phase2 = functools.partial(rule_region, rule, budget, min(window, fake["k_new"].shape[2]))
-    phase3 = functools.partial(evict, keep=keep)
+                  scale: float | None, block: int, mode: FakeTensorMode, pooled: bool = False) -> KernelTrace:
+    w = min(window, fake["k_new"].shape[2])
+    phase1 = functools.partial(measure_pooled if pooled else measure, window=window, sliding=sliding, scale=scale,
+                               block=block, traced=True)
+    # Pooled, the allocation step is part of the rule region (so uniform and adaptive runs share one fingerprint).
+    phase2 = functools.partial(rule_region, rule, budget, w, floor=allocation_floor(rule, budget)) if pooled \
+        else functools.partial(rule_region, rule, budget, w)
+    phase3 = functools.partial(evict_pooled if pooled else evict, keep=keep)
+    measure_args, evict_args = phase_args(pooled)
     # Each phase is traced once; the next phase is traced on the fake values of the previous one's outputs.
-    traced_measure = _trace(phase1, [fake[a] for a in _MEASURE_ARGS], mode)
+    traced_measure = _trace(phase1, [fake[a] for a in measure_args], mode)
     _, f_totals, *f_signals = _output_values(traced_measure)
     traced_rule = _trace(phase2, f_signals, mode)
     f_score = _output_values(traced_rule)
     f_sig = dict(zip(SIGNAL_NAMES, f_signals))
     return KernelTrace(
         traced_measure, traced_rule,
-        _trace(phase3, [f_score, *[f_sig[a] for a in _EVICT_SIGNALS], f_totals, *[fake[a] for a in _EVICT_ARGS]],
+        _trace(phase3, [f_score, *[f_sig[a] for a in _EVICT_SIGNALS], f_totals, *[fake[a] for a in evict_args]],
                mode))
 
 
@@ -264,11 +277,11 @@ def _output_values(gm: fx.GraphModule):
     return pytree.tree_map(lambda x: x.meta["val"] if isinstance(x, fx.Node) else x, out)
 
 
-_SLOT_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms")  # slot dim 2
+_SLOT_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms", "owner")  # slot dim 2
 
 
 def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
-                 scale: float | None, block: int | None = DEFAULT_BLOCK) -> KernelTrace:
+                 scale: float | None, block: int | None = DEFAULT_BLOCK, pooled: bool = False) -> KernelTrace:
     """Trace `measure`, `rule_region` and `evict` on fake tensors shaped like the example values `ev`.
 
     `measure` and `evict` are traced a second time with one more slot and `keep + 1`, to find which of their integer
@@ -281,10 +294,10 @@ def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: 
                 for k, v in ev.items()}
         grown = {k: _grown(v, 2) if k in _SLOT_TENSORS else v for k, v in fake.items()}
     kt = _trace_phases(fake, rule, budget=budget, keep=keep, sliding=sliding, window=window, scale=scale,
-                       block=block, mode=mode)
+                       block=block, mode=mode, pooled=pooled)
     _check_pure(kt.rule, rule)
     big = _trace_phases(grown, rule, budget=budget + 1, keep=keep + 1, sliding=sliding, window=window, scale=scale,
-                        block=block, mode=mode)
+                        block=block, mode=mode, pooled=pooled)
     slots = ev["k_slots"].shape[2]
     _mark_budget_ints(kt.measure, big.measure, slots)
     _mark_budget_ints(kt.evict, big.evict, slots)
@@ -307,20 +320,21 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule,
         mask = args["attn_mask"]
         scale = check(args, mask_dtype=_example(mask).dtype if isinstance(mask, fx.Node) else None)
         graph_in = {**dict(zip(MARKER_TENSORS, marker.args)), "q": args["query"]}
-        layer, budget, keep, sliding = marker.args[len(MARKER_TENSORS):]
+        layer, budget, keep, sliding, pooled = marker.args[len(MARKER_TENSORS):]
         ev = {name: _example(n) for name, n in graph_in.items()}
         key = (tuple((k, tuple(v.shape), tuple(v.stride()), v.dtype, v.device) for k, v in ev.items()),
-               budget, keep, sliding, scale)
+               budget, keep, sliding, scale, pooled)
         if key not in traces:
             traces[key] = trace_kernel(ev, sliding_rule if sliding else rule, budget=budget, keep=keep,
-                                       sliding=sliding, window=window, scale=scale, block=block)
+                                       sliding=sliding, window=window, scale=scale, block=block, pooled=pooled)
         kt = traces[key]
 
         # Splice each phase before the SDPA node, feeding its outputs to the next phase.
-        out, totals, *signals = _splice(gm, kt.measure, [graph_in[a] for a in _MEASURE_ARGS], node, "measure")
+        measure_args, evict_args = phase_args(pooled)
+        out, totals, *signals = _splice(gm, kt.measure, [graph_in[a] for a in measure_args], node, "measure")
         score = _splice(gm, kt.rule, signals, node, "rule")
         sig = dict(zip(SIGNAL_NAMES, signals))
-        _splice(gm, kt.evict, [score, *[sig[a] for a in _EVICT_SIGNALS], totals, *[graph_in[a] for a in _EVICT_ARGS]],
+        _splice(gm, kt.evict, [score, *[sig[a] for a in _EVICT_SIGNALS], totals, *[graph_in[a] for a in evict_args]],
                 node, "evict")
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)

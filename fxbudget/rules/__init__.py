@@ -44,13 +44,19 @@ def available() -> list[str]:
 
 
 def get(rule: str | Rule, **params) -> Rule:
-    """A rule instance from a registered name (with hyperparameters) or an instance (returned as is)."""
+    """A rule instance from a registered name (with hyperparameters) or an instance (returned as is).
+
+    A name `adakv:<rule>` wraps the rule in `AdaKV`: `alpha` goes to AdaKV, every other parameter to `<rule>`.
+    """
     if isinstance(rule, Rule):
         if params:
             raise TypeError(f"rule parameters {sorted(params)} given with a rule instance {rule}; set them on it")
         return rule
     if not isinstance(rule, str):
         raise TypeError(f"rule must be a name or a fxbudget.rules.Rule instance, got {type(rule).__name__}")
+    if rule.startswith(adakv.PREFIX):
+        wrapper = {k: params.pop(k) for k in ("alpha",) if k in params}
+        return adakv.AdaKV(get(rule[len(adakv.PREFIX):], **params), **wrapper)
     if rule not in _REGISTRY:
         raise ValueError(f"unknown rule {rule!r}; known rules: {', '.join(available())}")
     try:
@@ -115,9 +121,11 @@ def load_file(path: str | os.PathLike, *, replace: bool = False) -> list[str]:
 
 # Built-in rules register themselves on import.
 from . import (  # noqa: E402,F401
-    chunkkv, compactor, cur, expected_attention, full, h2o, keydiff, knorm, lagkv, leverage, observed_attention,
+    adakv, chunkkv, compactor, cur, expected_attention, full, h2o, keydiff, knorm, lagkv, leverage, observed_attention,
     pyramidkv, random, snapkv, streamingllm, tova, weighted, window,
 )
+from .adakv import AdaKV  # noqa: E402
 from .pyramidkv import Pyramid, pyramid_budgets  # noqa: E402
 
-__all__ = ["Pyramid", "Rule", "Signals", "available", "get", "load_file", "pyramid_budgets", "recent", "register"]
+__all__ = ["AdaKV", "Pyramid", "Rule", "Signals", "available", "get", "load_file", "pyramid_budgets", "recent",
+           "register"]

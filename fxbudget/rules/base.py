@@ -115,6 +115,8 @@ class Rule:
     window: int | None = None
     never_evicts: ClassVar[bool] = False  # True for `full`: a call that would overflow the budget is an error
     needs_rope: ClassVar[bool] = False  # True if `score` reads `inv_freq`: models without default RoPE are refused
+    # True for rules that spread a layer's budget over its KV heads (`AdaKV`): they run on the head-pooled layout.
+    head_adaptive: ClassVar[bool] = False
 
     def layer_budgets(self, budget: int, n_layers: int, prompt: int | None = None) -> list[int] | None:
         """Per-layer budgets for the `n_layers` budgeted layers (None = `budget` for all); must sum to
