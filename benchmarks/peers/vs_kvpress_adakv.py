@@ -175,6 +175,12 @@ def _worker_fxbudget(job: dict) -> dict:
             "versions": {"transformers": transformers.__version__, "torch": torch.__version__}}
 
 
+def _rel(path) -> str:
+    """`path` relative to the checkout when inside it."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+
+
 def _layout(cache) -> str:
     return "head-pool" if getattr(cache, "head_pool", False) else "slots"
 
@@ -365,7 +371,7 @@ def main() -> int:
     dates = sorted({r["date"] for r in runs})
     lines += [
         f"- Rows measured {dates[0] if dates else '-'} to {dates[-1] if dates else '-'} (each row's date and 1-min "
-        f"load at its end are in the raw rows, `{Path(args.store).relative_to(ROOT)}`); the header's date and load "
+        f"load at its end are in the raw rows, `{_rel(args.store)}`); the header's date and load "
         "are this report's.",
         f"- Peer: kvpress {kv_v['kvpress']}, transformers {kv_v['transformers']}, torch {kv_v['torch']} (its own venv)"
         if kv_v else "- Peer: not run", f"- Model: the embedded Qwen2.5-Coder-0.5B-Instruct, fp32, SDPA, CPU, 1 thread. "

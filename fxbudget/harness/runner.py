@@ -221,7 +221,7 @@ class Runner:
         if key not in self._frozen:
             graphs: list = []
             self._frozen[key] = frozen_runner(self.model, self.grid.backend, forward.window, block=forward.block,
-                                              on_graph=graphs.append, **self._pool), graphs
+                                              on_graph=graphs.append), graphs  # the cache says its layout
         return self._frozen[key]
 
     def _fingerprint(self, rule) -> str:
