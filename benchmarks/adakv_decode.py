@@ -23,8 +23,8 @@ import statistics
 import sys
 import time
 
-from _common import (command_line, emit, env_info, fmt_ratio, header_lines, load_str, md_table, paired_ratio,
-                     quartiles, setup_threads, tune_malloc)
+from _common import (analysis_link, command_line, emit, env_info, fmt_ratio, header_lines, load_str, md_table,
+                     paired_ratio, quartiles, setup_threads, tune_malloc)
 
 CONFIGS = (("snapkv", "slots"), ("snapkv", "head-pool"), ("adakv:snapkv", "head-pool"))
 BACKENDS = ("eager", "inductor")
@@ -153,7 +153,7 @@ def main() -> int:
               "", f"Goal (issue 22): adakv:snapkv (head-pool) <= {GOAL}x snapkv (slots), compiled and eager.", "",
               *md_table(["backend", "decode", "rule", "layout", "ms / step, median [IQR]",
                          "vs snapkv slots, per round", "goal", "first step s (compile)",
-                         "entries per KV head at the end (min-max)"], rows)]
+                         "entries per KV head at the end (min-max)"], rows), *analysis_link("adakv_decode")]
     emit(lines, a.out, a.quick, "adakv_decode")
     return 0
 
