@@ -98,9 +98,10 @@ def _compare(tiny_dir, out, rules, *extra):
 
 
 @pytest.mark.parametrize("backend", ["none", "aot_eager"])
-def test_compare_runs_adaptive_and_uniform_rules_on_one_pooled_kernel(tiny_dir, tmp_path, backend):
+def test_compare_runs_adaptive_and_uniform_rules_on_one_pooled_kernel(tiny_dir, tmp_path, backend, capsys):
     rows = _compare(tiny_dir, tmp_path / "pooled", "full,snapkv,adakv:snapkv", "--param",
                     "adakv:snapkv.alpha=0.1", "--backend", backend)
+    assert "cache layout head-pool (a head-adaptive rule: every rule pooled)" in capsys.readouterr().err
     budgeted = [r for r in rows if r["rule"] != "full"]
     assert {(r["rule"], r["allocation"], r["layout"]) for r in budgeted} == {
         ("snapkv", "uniform", "head-pool"), ("adakv:snapkv", "adakv", "head-pool")}
@@ -115,6 +116,7 @@ def test_compare_runs_adaptive_and_uniform_rules_on_one_pooled_kernel(tiny_dir, 
     # The uniform rule alone runs on slots, another kernel; pooled with f = B it keeps the same sets, so its answers
     # and answer likelihoods are the unpooled run's.
     alone = _compare(tiny_dir, tmp_path / "slots", "snapkv", "--backend", backend)
+    assert "cache layout slots)" in capsys.readouterr().err
     assert {(r["allocation"], r["layout"]) for r in alone} == {("uniform", "slots")}
     assert {r["kernel_fingerprint"] for r in alone}.isdisjoint(prints)
     pooled = {(r["protocol"], r["sample"]): r for r in budgeted if r["rule"] == "snapkv"}
