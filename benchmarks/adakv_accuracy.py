@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import ROOT, command_line, env_info, header_lines, load_str, md_table, write_md  # noqa: E402
+from _common import ROOT, analysis_link, command_line, env_info, header_lines, load_str, md_table, write_md  # noqa: E402
 
 PAIRS = (("adakv:snapkv", "snapkv"), ("adakv:expected_attention", "expected_attention"))
 RULES = "full," + ",".join(r for pair in PAIRS for r in pair)
@@ -115,7 +115,7 @@ def main() -> int:
               "gold answer's mean log-prob per token, each minus the unmodified model's on the same sample.", "",
               *paired_lines(rows), "", "## Accuracy (mean [95% interval] (samples))", "",
               accuracy_table(rows), "", "## Answer log-likelihood per token minus the unmodified model's", "",
-              likelihood_table(rows) or "-"]
+              likelihood_table(rows) or "-", *analysis_link("adakv_accuracy")]
     write_md(a.out, lines)
     return 0
 
