@@ -279,11 +279,11 @@ def _overlap(a: list, b: list) -> list[float]:
     return out
 
 
-def _run_worker(python: str, side: str, job: dict, env: dict) -> dict:
+def _run_worker(python: str, side: str, job: dict, env: dict, script: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="vs_kvpress_") as d:
         jp, rp = Path(d) / "job.json", Path(d) / "result.json"
         jp.write_text(json.dumps(job))
-        proc = subprocess.run([python, str(Path(__file__).resolve()), "--worker", side, "--job", str(jp),
+        proc = subprocess.run([python, str(Path(script or __file__).resolve()), "--worker", side, "--job", str(jp),
                                "--result", str(rp)], env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not rp.exists():
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])

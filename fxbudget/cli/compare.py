@@ -72,7 +72,9 @@ def cmd_compare(args) -> int:
     print(f"[fxbudget] {source.name}: {todo} rows to run on {len(plan)} samples "
           f"(protocol {','.join(grid.protocols)}, {place.dtype} on {place.device}, "
           f"prefill {'shared per sample' if grid.shares_prefill else 'per rule'}, "
-          f"backend {grid.backend or 'none (eager kernel)'}); results in {runner.path}", file=sys.stderr)
+          f"backend {grid.backend or 'none (eager kernel)'}, cache layout {grid.layout()}"
+          f"{' (a head-adaptive rule: every rule pooled)' if grid.head_pool() else ''}); results in {runner.path}",
+          file=sys.stderr)
     if grid.share_prefill and not grid.shares_prefill:
         print("[fxbudget] prefill is not shared: it needs one-call prefill (no --chunk-size) on the eager kernel "
               "(--backend none)", file=sys.stderr)

@@ -18,6 +18,15 @@ from .tasks import TASKS, load_jsonl
 
 PROTOCOLS = ("query-agnostic", "query-aware", "streaming")
 REFERENCE = "full"  # the unmodified model
+# How a layer's budget is spread over its KV heads, and the cache layout it needs (ADAKV.md): a head-adaptive rule
+# (`adakv:<rule>`) runs on the pooled layout, and so does every other rule of its run (one kernel per run).
+ALLOCATIONS = ("uniform", "adakv")
+LAYOUTS = ("slots", "head-pool")
+
+
+def allocation(rule) -> str:
+    """`adakv` for a head-adaptive rule instance, else `uniform`."""
+    return "adakv" if getattr(rule, "head_adaptive", False) else "uniform"
 
 
 def budget_fraction(spec: int | str) -> float | None:
@@ -106,6 +115,10 @@ class Grid:
         if not self.budgets:
             raise ValueError("budgets must not be empty")
         kinds = {budget_fraction(b) is None for b in self.budgets}  # raises on a malformed budget
+        for r in self.rules:  # e.g. AdaKV: an absolute budget below the tokens its rule protects in every head
+            check = getattr(get(r, **self.rule_params.get(r, {})), "check_budget", None) if r != REFERENCE else None
+            if check is not None and kinds == {True}:
+                check(list(self.budgets))
         if len(kinds) > 1:
             raise ValueError(f"budgets {self.budgets} mix absolute (KV entries) and relative (% of the context) "
                              "budgets: use one kind per run (`fxbudget report` merges runs)")
@@ -117,6 +130,18 @@ class Grid:
             if not Path(f).is_file():
                 raise ValueError(f"task file {f} does not exist")
             load_jsonl(f)  # every line checked now, before a model loads (raises naming the file and line)
+
+    def head_pool(self) -> bool:
+        """Whether this run's budgeted rules run on the pooled cache layout (`head-pool`): when any of them is
+        head-adaptive, every one of them does, so the run has one kernel fingerprint. Call after `validate`."""
+        from ..rules import get
+
+        return any(allocation(get(r, **self.rule_params.get(r, {}))) != "uniform" for r in self.rules
+                   if r != REFERENCE)
+
+    def layout(self) -> str:
+        """`head-pool` or `slots` (see `head_pool`)."""
+        return LAYOUTS[self.head_pool()]
 
     @property
     def shares_prefill(self) -> bool:
@@ -152,8 +177,11 @@ def configs(grid: Grid) -> list[tuple[str, str, int | str | None]]:
 def row_key(model_name: str, grid: Grid, unit: Unit, protocol: str, rule: str, budget: int | str | None) -> str:
     """What identifies a result: completed keys are skipped when a run resumes."""
     params = json.dumps(grid.rule_params.get(rule, {}), sort_keys=True)
-    return "|".join(map(str, (model_name, unit.task, unit.length, unit.index, grid.seed, rule, params, budget,
-                              protocol, grid.chunk_size, grid.backend)))
+    key = "|".join(map(str, (model_name, unit.task, unit.length, unit.index, grid.seed, rule, params, budget,
+                             protocol, grid.chunk_size, grid.backend)))
+    # A rule runs pooled beside a head-adaptive rule, unpooled otherwise: another kernel, another row. The suffix only
+    # on pooled rows keeps the keys of earlier (unpooled) results, so their runs still resume.
+    return key + "|head-pool" if rule != REFERENCE and grid.head_pool() else key
 
 
 
@@ -163,15 +191,31 @@ def check_rule_params(rules: list[str], params: dict[str, dict]) -> None:
     Raises:
         ValueError: naming the rule, the field and the valid fields.
     """
-    from ..rules import _REGISTRY, available
+    from ..rules import available
 
     for rule, values in params.items():
-        if rule not in _REGISTRY:
-            raise ValueError(f"--param {rule}.*: unknown rule {rule!r}; known rules: {', '.join(available())}")
+        names = rule_fields(rule)
+        if names is None:
+            raise ValueError(f"--param {rule}.*: unknown rule {rule!r}; known rules: {', '.join(available())}, "
+                             "and adakv:<rule> for any of them")
         if rule not in rules:
             raise ValueError(f"--param {rule}.*: {rule} is not among the rules run ({', '.join(rules)})")
-        names = [f.name for f in fields(_REGISTRY[rule]) if not f.name.startswith("_")]
         for name in values:
             if name not in names:
                 raise ValueError(f"--param {rule}.{name}: {rule} has no hyperparameter {name!r}; its "
                                  f"hyperparameters: {', '.join(names) or 'none'}")
+
+
+def rule_fields(rule: str) -> list[str] | None:
+    """The hyperparameter names of a rule name, None if it names no rule. `adakv:<rule>` has AdaKV's own (`alpha`)
+    and the wrapped rule's: `--param adakv:snapkv.window=64` reaches snapkv, `...alpha=0.1` AdaKV (ADAKV.md)."""
+    from .. import rules
+
+    if rule in rules._REGISTRY:
+        return [f.name for f in fields(rules._REGISTRY[rule]) if not f.name.startswith("_")]
+    wrapper, sep, inner = rule.partition(":")
+    ada = getattr(rules, "AdaKV", None)
+    if not sep or wrapper != "adakv" or ada is None or inner not in rules._REGISTRY:
+        return None
+    own = [f.name for f in fields(ada) if f.name != "rule" and not f.name.startswith("_")]
+    return own + [n for n in rule_fields(inner) if n not in own]

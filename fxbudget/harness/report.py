@@ -69,6 +69,10 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "output_tokens": mean(r["output_tokens"] for r in rs),
                     "kv_held_mib": mean_mib(rs, "kv_held_bytes"),
                     "kv_allocated_mib": mean_mib(rs, "kv_allocated_bytes"),
+                    # rows written before AdaKV name neither: they ran uniform on slots
+                    **({"allocation": None, "layout": None} if rs[0]["rule"] == REFERENCE else
+                       {"allocation": rs[0].get("allocation") or "uniform",
+                        "layout": _values([{"layout": r.get("layout") or "slots"} for r in rs], "layout")}),
                     "kernel_fingerprint": rs[0].get("kernel_fingerprint")})
     return out
 
@@ -136,13 +140,30 @@ def _header(rows: list[dict], sort: str) -> list[str]:
              + (f"{windows[0]}" if len(windows) == 1 else
                 f"**{len(windows)} different windows ({', '.join(map(str, windows))})**: rules did not see the same "
                 "signals" if windows else "none"),
-             f"- kernel query block: {', '.join(blocks) if blocks else '-'}"]
+             f"- kernel query block: {', '.join(blocks) if blocks else '-'}",
+             _allocation_line([r for r in rows if r["rule"] != REFERENCE])]
     unequal = unequal_samples(rows)
     if unequal:
         parts.append("- **warning: the rules did not all run the same samples** (merged runs of different grids?); "
                      "samples per rule: " + "; ".join(unequal) + ". A cell averages its own samples (the \"all "
                      "tasks\" cells pool them); the paired comparisons use only the samples every rule ran.")
     return parts + [READING, f"- rules are ordered by {sort}."]
+
+
+def _allocation_line(rows) -> str:
+    """How each rule spread its budget over KV heads, and the cache layout the rows ran on (one per comparison: a
+    head-adaptive rule puts every rule of its run on the pooled layout). Rows written before AdaKV say neither: they
+    ran uniform on slots."""
+    if not rows:
+        return "- allocation / cache layout: no budgeted rows"
+    alloc = defaultdict(set)
+    for r in rows:
+        alloc[r.get("allocation") or "uniform"].add(r["rule"])
+    layouts = sorted({r.get("layout") or "slots" for r in rows})
+    return ("- allocation over KV heads: " + "; ".join(f"{a} ({', '.join(sorted(rs))})" for a, rs in sorted(alloc.items()))
+            + "; cache layout: " + (layouts[0] if len(layouts) == 1 else
+                                    f"**{len(layouts)} different layouts ({', '.join(layouts)})**: rules did not all "
+                                    "run on the same cache layout (merged runs?)"))
 
 
 def _context(rows) -> str:

@@ -46,7 +46,8 @@ from . import results
 from .branch import branch, shared_prefill
 # The grid lives in `grid` (no torch import: the CLI checks it before loading anything); re-exported here, where
 # callers have always found it.
-from .grid import PROTOCOLS, REFERENCE, Grid, Unit, budget_fraction, configs, resolve_budget, row_key, units
+from .grid import (PROTOCOLS, REFERENCE, Grid, Unit, allocation, budget_fraction, configs, resolve_budget, row_key,
+                   units)
 from .likelihood import answer_logprobs, finish_prompt, frozen_tokens
 from .measure import Clock, Peak, environment, eos_ids, greedy, kv_bytes
 from .tasks import Sample, answer_ids, chat_ids, load_jsonl, make_samples, score
@@ -105,6 +106,9 @@ class Runner:
         self.out_dir, self.shard, self.progress, self.max_new = Path(out_dir), shard, progress, max_new_tokens
         self.path = self.out_dir / ("results.jsonl" if n == 1 else f"results-shard{i}of{n}.jsonl")
         self.env = environment(model) if model is not None else {}
+        # Any head-adaptive rule puts every rule of the run on the pooled layout (one kernel fingerprint per run).
+        self.layout = grid.layout()
+        self._pool = {"head_pool": True} if self.layout == "head-pool" else {}
         self.eos = eos_ids(model, tokenizer) if model is not None else set()
         self._fingerprints: dict[str, str] = {}
         self._samples: dict = dict(samples or {})  # from build_samples, or built as the units run
@@ -204,7 +208,7 @@ class Runner:
             forward.install()
             return forward
         fx_compile(self.model, rule=rule, budget=budget, chunk_size=g.chunk_size, backend=g.backend,
-                   headroom=self.headroom)
+                   headroom=self.headroom, **self._pool)
         forward = self._forwards[key] = self.model.forward
         if g.backend is not None:
             forward.buckets = tuple(sorted({self.question_bucket, g.chunk_size} - {None, 0}))
@@ -217,7 +221,7 @@ class Runner:
         if key not in self._frozen:
             graphs: list = []
             self._frozen[key] = frozen_runner(self.model, self.grid.backend, forward.window, block=forward.block,
-                                              on_graph=graphs.append), graphs
+                                              on_graph=graphs.append), graphs  # the cache says its layout
         return self._frozen[key]
 
     def _fingerprint(self, rule) -> str:
@@ -226,7 +230,8 @@ class Runner:
             # Sizes are not part of the fingerprint: any budget gives the same one (relative budgets: 1024).
             budget = max((b for b in self.grid.budgets if budget_fraction(b) is None), default=1024)
             with Clock() as clock:
-                self._fingerprints[rule.name] = kernel_fingerprint(self.model, rule=rule, budget=budget)  # inspect's probe
+                self._fingerprints[rule.name] = kernel_fingerprint(self.model, rule=rule, budget=budget,  # inspect's probe
+                                                                   **self._pool)
             self.fingerprint_s += clock.run + clock.compile
         return self._fingerprints[rule.name]
 
@@ -287,6 +292,7 @@ class Runner:
             ids, cache = greedy(self.model, output_cache(out), out.logits[:, -1], max_new, self.eos)
         self._timed(pre), self._timed(dec)
         return {"rule": REFERENCE, "rule_params": {}, "budget": None, "window": None, "kernel_fingerprint": None,
+                "allocation": None, "layout": None,
                 "shared_prefill": False, "prefill_s": pre.run, "decode_s": dec.run,
                 "compile_s": pre.compile + dec.compile + likelihood.pop("compile_s"), **likelihood,
                 "output_ids": ids, "output_tokens": len(ids), **kv_bytes(cache), "peak_mem_bytes": peak.read()}
@@ -335,6 +341,7 @@ class Runner:
             model.forward.restore()
         self._timed(pre), self._timed(question_clock), self._timed(dec)
         return {"rule": rule_name, "rule_params": rule.params(), "budget": budget, "window": kernel_window(rule),
+                "allocation": allocation(rule), "layout": self.layout,
                 "layer_budgets": cache.layer_budgets if len(set(cache.layer_budgets)) > 1 else None,
                 "headroom": self.headroom, "kernel_fingerprint": fingerprint, "shared_prefill": shared is not None,
                 # Graphs this rule and budget used so far: its own, and the frozen calls' (shared with other rules).
