@@ -101,6 +101,11 @@ def main() -> int:
     for name in KEEP + ("wall.json",):
         if (run / name).exists() and (run / name).resolve() != (keep / name).resolve():
             shutil.copy2(run / name, keep / name)
+    # The plots (PNG) are not committed: the kept report.md drops their section, so its links all resolve.
+    report = keep / "report.md"
+    if report.exists():
+        text = report.read_text().split("\n## plots\n")[0].rstrip("\n") + "\n"
+        report.write_text(text)
     lines = header_lines("AdaKV on the demo's query-aware grid", info, command, load_after=load_str())
     if wall:
         lines += [f"- The grid: `{wall['command']}`, {wall['date']}, {wall['wall_s']} s wall, load average "
