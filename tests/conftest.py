@@ -117,7 +117,7 @@ def memoized_fingerprints(module):
         param = next(model.parameters())
         key = (type(model), repr(sorted(config.items())), param.dtype, param.device, type(rule),
                getattr(rule, "name", rule), repr(rule.params()) if hasattr(rule, "params") else None, budget,
-               repr(sorted(kwargs.items())), None if input_ids is None else input_ids.tolist())
+               repr(sorted(kwargs.items())), None if input_ids is None else repr(input_ids.tolist()))
         if key not in _FINGERPRINTS:
             _FINGERPRINTS[key] = real(model, input_ids, rule=rule, budget=budget, **kwargs)
         return _FINGERPRINTS[key]
