@@ -257,7 +257,7 @@ def dump(model, tokenizer, model_name: str, *, device: str, dtype: str, backend:
 
     Args:
         model, tokenizer, model_name: the model (moved to `device`/`dtype` here), its tokenizer and recorded name.
-        device: "cpu" or "cuda". dtype: "float32" or "bfloat16". backend: "eager", "inductor" or "aot_eager".
+        device: "cpu", "cuda" or "cuda:N". dtype: "float32" or "bfloat16". backend: "eager", "inductor" or "aot_eager".
         task, seed, lengths: the prompts. rules: rule names (default: every evicting rule). budgets, steps: as above.
         command: the command line recorded in the dump. log: progress messages.
     """
@@ -488,8 +488,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("dump", help="record kept sets and tokens for every rule and budget")
-    d.add_argument("--device", default="cpu", help="cpu or cuda")
-    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    d.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu, "
+                   "as `fxbudget compare`)")
+    d.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: bfloat16 on a GPU, float32 on the CPU (as `fxbudget compare`)")
     d.add_argument("--backend", default="eager", choices=["eager", "inductor", "aot_eager"])
     d.add_argument("--model", default=None, help="local HF model directory or .gguf (default: the embedded model)")
     d.add_argument("--task", default="niah_multikey")
@@ -507,15 +509,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.cmd == "dump":
+        from fxbudget.devices import resolve
+
+        try:  # the defaults filled in, an absent GPU refused: before any model work
+            place = resolve(args.device, args.dtype)
+        except ValueError as e:
+            p.error(str(e))
         setup_threads(args.threads)
-        if args.device == "cpu":
+        if place.device == "cpu":
             from fxbudget.harness.malloc import tune_malloc
 
             tune_malloc()
         from fxbudget.models import load_model
 
-        model, tok, name = load_model(args.model, progress=False)
-        d = dump(model, tok, name, device=args.device, dtype=args.dtype, backend=args.backend, task=args.task,
+        model, tok, name = load_model(args.model, progress=False, device=place.device, dtype=place.dtype)
+        d = dump(model, tok, name, device=place.device, dtype=place.dtype, backend=args.backend, task=args.task,
                  seed=args.seed, lengths=args.lengths, rules=args.rules, budgets=args.budgets, steps=args.steps,
                  command=_command(argv))
         save(d, args.out)

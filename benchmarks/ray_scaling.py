@@ -1,9 +1,11 @@
 """Scale-out: one comparison grid run serially, then on Ray workers (`fxbudget compare --ray`); same rows.
 
-    OMP_NUM_THREADS=1 python benchmarks/ray_scaling.py [--workers 2] [--samples 6] [--tokens 1000] [--quick] [--out ...]
+    OMP_NUM_THREADS=1 python benchmarks/ray_scaling.py [--workers 2] [--samples 6] [--tokens 1000] [--device D] [--dtype T]
+        [--quick] [--out ...]
 
 The embedded model, passkey samples of ~`--tokens` context tokens, rules x budgets below, eager kernel, shared
-prefill (the defaults of `fxbudget compare`); one torch thread everywhere.
+prefill, on the device and dtype `fxbudget compare` defaults to (a visible GPU in bfloat16, else the CPU in
+float32; `--device`, `--dtype`); one torch thread everywhere.
 - serial: `Runner` in this process, as `fxbudget compare` runs it: model load, each rule's kernel fingerprint traced
   (timed apart here; a plain run does it during its first sample), then every sample in turn.
 - Ray: a local Ray of `--workers` CPUs started here, then `RayRunner` (what `--ray` runs): `--workers` actors of one
@@ -46,6 +48,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1000, help="context length")
     p.add_argument("--rules", default=RULES)
     p.add_argument("--budgets", default=BUDGETS)
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is visible, as "
+                   "`fxbudget compare`; on a GPU each Ray worker holds an equal share of the visible GPUs)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on a GPU, float32 on the CPU (as `fxbudget compare`)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 samples of 300 tokens, 2 rules, 1 budget; "
                    "prints, writes nothing")
     p.add_argument("--out", default=None, help="default: benchmarks/results/ray_scaling.md")
@@ -54,9 +60,13 @@ def main() -> None:
         args.samples, args.tokens, args.rules, args.budgets = 2, 300, "full,snapkv", "128"
     setup_threads(1)
     tune_malloc()
-    info = env_info()
+    from fxbudget.devices import resolve
+
+    place = resolve(args.device, args.dtype)  # an absent GPU or a bad name stops here, before any model work
+    info = env_info(place.device)
 
     import ray
+    import torch
 
     from fxbudget.harness.ray_runner import RayOptions, RayRunner
     from fxbudget.harness.runner import REFERENCE, Grid, Runner
@@ -69,7 +79,7 @@ def main() -> None:
 
     loads = [load_str()]  # at the start of each part and at the end: the machine may be shared
     t0 = time.perf_counter()
-    model, tok, name = load_model(None, progress=False)
+    model, tok, name = load_model(None, progress=False, device=place.device, dtype=place.dtype)
     serial_start = time.perf_counter() - t0
     runner = Runner(model, tok, name, grid, tmp / "serial", progress=False)
     t = time.perf_counter()  # what a serial run does on its first sample, apart (the Ray side does it at start)
@@ -86,10 +96,12 @@ def main() -> None:
 
     loads.append(load_str())
     t0 = time.perf_counter()
-    ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False,
+    gpus = torch.cuda.device_count() if place.device != "cpu" else 0
+    ray.init(num_cpus=args.workers, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"py_modules": [str(ROOT / "fxbudget")]})
     ray_init = time.perf_counter() - t0
-    dist = RayRunner(None, grid, tmp / "ray", progress=False, options=RayOptions(workers=args.workers))
+    options = RayOptions(workers=args.workers, gpus_per_worker=min(1.0, gpus / args.workers) if gpus else 0.0)
+    dist = RayRunner(None, grid, tmp / "ray", progress=False, options=options, dtype=place.dtype)
     t = time.perf_counter()
     dist.run()
     ray_total = time.perf_counter() - t
@@ -111,7 +123,8 @@ def main() -> None:
                          load_after=loads[-1]) + [
         f"Embedded model, passkey, {args.samples} samples of ~{args.tokens} context tokens (prompt median "
         f"{prompt:.0f} tokens), rules {args.rules} x budgets {args.budgets}: {len(serial_rows)} rows, "
-        f"{len(serial_rows) // args.samples} per sample; eager kernel, shared prefill, query-agnostic. Serial: one "
+        f"{len(serial_rows) // args.samples} per sample; {place.device}, {place.dtype}; eager kernel, shared "
+        "prefill, query-agnostic. Serial: one "
         f"process, 1 thread. Ray {ray.__version__}: a local Ray of {args.workers} CPUs, {args.workers} workers of 1 "
         "CPU and 1 thread, each loading the model once; the driver only plans and writes.", "",
         *md_table(["seconds", "serial", f"Ray, {args.workers} workers"], [

@@ -124,4 +124,5 @@ def frozen_runner(model: nn.Module, backend: str, window: int, *, block: int | N
     """
     forward = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
     return compiled_forward(model, forward, make_backend("window", inner=backend, on_graph=on_graph, block=block,
-                                                         cudagraphs=cudagraphs, observation_window=window))
+                                                         cudagraphs=cudagraphs, observation_window=window,
+                                                         budget_ints=False))

@@ -33,7 +33,8 @@ def kernel_window(rule: Rule) -> int:
 
 def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
                  on_graph: Callable[[fx.GraphModule], None] | None = None, cudagraphs: bool = False,
-                 block: int | None = DEFAULT_BLOCK, observation_window: int | None = None, **rule_params):
+                 block: int | None = DEFAULT_BLOCK, observation_window: int | None = None, budget_ints: bool = True,
+                 **rule_params):
     """A Dynamo backend that rewrites SDPA for `rule` and compiles with `inner`.
 
     Args:
@@ -46,6 +47,9 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
         block: queries per block of the kernel's measure phase (a kernel setting: one value per comparison).
         observation_window: the kernel's observation window (default: the rule's, `kernel_window(rule)`); not
             `window=`, which stays a rule parameter (snapkv's window).
+        budget_ints: mark the budget-derived ints of each kernel for `graph_fingerprint` (a second trace of the
+            kernel per layer configuration: about a sixth of an aot_eager compile of a tiny model). False for
+            graphs that are compiled and never hashed; the graphs are the same.
         **rule_params: hyperparameters for a named rule.
     Returns:
         A callable `(gm, example_inputs, **kwargs) -> compiled forward` for `torch.compile(backend=...)`.
@@ -57,7 +61,7 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
     sliding_rule = get("window")
 
     def fxbudget_backend(gm: fx.GraphModule, example_inputs, **kwargs):
-        report = rewrite(gm, rule, window, sliding_rule, block)
+        report = rewrite(gm, rule, window, sliding_rule, block, budget_ints=budget_ints)
         gm.meta[REWRITE_KEY] = report  # what `fxbudget inspect` summarizes
         if not report.rewritten:
             raise NoBudgetAttentionError(

@@ -82,7 +82,8 @@ class BudgetForward:
             self._run = self._run_eager
         else:
             self._runner = compiled_forward(model, self.original, make_backend(
-                rule, inner=backend, on_graph=self.graphs.append, block=block, cudagraphs=cudagraphs))
+                rule, inner=backend, on_graph=self.graphs.append, block=block, cudagraphs=cudagraphs,
+                budget_ints=False))  # compiled, never hashed (kernel_fingerprint traces its own)
             self._run = self._run_compiled
 
     def install(self) -> nn.Module:

@@ -94,6 +94,48 @@ def _registry_restored():
         yield
 
 
+# Kernel fingerprints traced in this process, by everything a fingerprint depends on (see `memoized_fingerprints`).
+_FINGERPRINTS: dict = {}
+
+
+@contextlib.contextmanager
+def memoized_fingerprints(module):
+    """`module.kernel_fingerprint` (the harness's runner, lm-eval's model) traced once per process and
+    configuration, not once per run, for the duration.
+
+    A fingerprint is a pure function of the code, the model's architecture (its config; not its weights), dtype and
+    device, the rule (class and hyperparameters), the budget, the cache layout and the traced input: every run of a
+    test file on the same tiny model retraces the same ones (seconds each, most of a tiny `compare` run's time). The
+    first call for a key traces for real, through the module; later calls return that value. For modules whose
+    tests do not change the kernel (they would get the unchanged kernel's value); `fxbudget.kernel_fingerprint`
+    itself is not replaced.
+    """
+    real = module.kernel_fingerprint
+
+    def fingerprint(model, input_ids=None, *, rule, budget, **kwargs):
+        config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
+        param = next(model.parameters())
+        key = (type(model), repr(sorted(config.items())), param.dtype, param.device, type(rule),
+               getattr(rule, "name", rule), repr(rule.params()) if hasattr(rule, "params") else None, budget,
+               repr(sorted(kwargs.items())), None if input_ids is None else repr(input_ids.tolist()))
+        if key not in _FINGERPRINTS:
+            _FINGERPRINTS[key] = real(model, input_ids, rule=rule, budget=budget, **kwargs)
+        return _FINGERPRINTS[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, "kernel_fingerprint", fingerprint)
+        yield
+
+
+@pytest.fixture(scope="module")
+def shared_fingerprints():
+    """The runner's kernel fingerprints memoized for a module's tests (`memoized_fingerprints`)."""
+    from fxbudget.harness import runner
+
+    with memoized_fingerprints(runner):
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A 2-layer random Qwen2 with the embedded model's tokenizer, saved as a local model directory (prompts are

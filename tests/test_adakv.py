@@ -1,6 +1,7 @@
 """AdaKV and the head-pooled cache layout (issue 22): uniform allocation on the pool is the unpooled layout, AdaKV's
 selection is kvpress's (flatten, per-head floor, one top-k over the layer's heads), a covering budget reproduces the
-model, decode evicts with changing per-head counts and no copy of the pool, branching is exact, one fingerprint."""
+model, decode evicts with changing per-head counts and no copy of the pool, one fingerprint (branching a pooled cache:
+tests/test_branch.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import torch
 import fxbudget
 from conftest import fresh, greedy, tiny_model
 from fxbudget.cache import BudgetCache
-from fxbudget.harness.branch import branch, shared_prefill
 from fxbudget.kernel import budget_attention
 from fxbudget.rules import AdaKV, Pyramid, Rule, get
 from fxbudget.rules.base import Signals
@@ -233,32 +233,7 @@ def _call_length(gm) -> int:
     return -1
 
 
-# --- branching, fingerprint -------------------------------------------------------------------------------------------
-
-def test_branch_equals_separate_run_pooled():
-    model = tiny_model("qwen2", layers=2)
-    torch.manual_seed(1)
-    ids = torch.randint(0, 96, (2, 40))
-    sp = shared_prefill(model, ids, window=4)
-    with torch.no_grad():
-        m = fxbudget.compile(model, rule="adakv:snapkv", budget=12, backend=None, headroom=4, window=4)
-        try:
-            separate = m.forward.new_cache(2)
-            out = m(input_ids=ids, past_key_values=separate, logits_to_keep=1)
-            branched = m.forward.new_cache(2)
-            branch(sp, branched, m.forward.rule)
-            for i, (a, b) in enumerate(zip(separate.layers, branched.layers)):
-                for name in ("keys", "values", "pos", "state", "norms", "totals", "seen", "owner"):
-                    assert torch.equal(getattr(a, name), getattr(b, name)), (i, name)
-            assert torch.equal(out.logits[:, -1], sp.logits)
-            tok = sp.logits.argmax(-1, keepdim=True)
-            la, _ = greedy(m, tok, 5, separate)
-            lb, _ = greedy(m, tok, 5, branched)
-            assert torch.equal(la, lb)
-            assert any(len(set(separate.head_counts(i).flatten().tolist())) > 1 for i in range(2))
-        finally:
-            model.forward.restore()
-
+# --- fingerprint (branching a pooled cache: tests/test_branch.py, the `adakv:snapkv` case) ----------------------------
 
 def test_one_fingerprint_pooled_uniform_and_adaptive():
     model = tiny_model("qwen2", layers=2)

@@ -10,6 +10,9 @@ from fxbudget.harness import report as R
 from fxbudget.harness.grid import Grid, Unit, row_key
 from fxbudget.harness.report import load_rows
 
+# The runs here are on one tiny model: each (rule, layout) fingerprint is traced once, not once per run and backend.
+pytestmark = pytest.mark.usefixtures("shared_fingerprints")
+
 
 def _row(rule, sample=0, **kw):
     """A result row with the fields the report reads (as the runner writes them)."""

@@ -1,4 +1,5 @@
-"""Shared prefill + branching gives exactly the caches and outputs of separate runs, for every rule."""
+"""Shared prefill + branching gives exactly the caches and outputs of separate runs, for every rule (and for a
+head-adaptive rule on the head-pooled cache)."""
 
 import pytest
 import torch
@@ -10,21 +11,34 @@ from fxbudget.rules import available
 from conftest import greedy, tiny_model
 
 RULES = [r for r in available() if r != "full"]
-SLOT_TENSORS = ("keys", "values", "pos", "state", "norms", "totals", "seen")
+# `owner`: the KV head each slot's entry belongs to (it moves between heads in the head-pooled layout).
+SLOT_TENSORS = ("keys", "values", "pos", "state", "norms", "totals", "seen", "owner")
 
 
 @pytest.fixture(scope="module", params=["qwen2", "gemma3"])
 def prefilled(request):
+    """(model, ids, shared prefills by their observation window: None = the default window's)."""
     model = tiny_model(request.param, layers=3)
     torch.manual_seed(1)
     ids = torch.randint(0, 96, (2, 40))
-    return model, ids, shared_prefill(model, ids)
+    return model, ids, {None: shared_prefill(model, ids)}
 
 
-@pytest.mark.parametrize("rule, params", [(r, {"window": 4} if r == "pyramidkv" else {}) for r in RULES]
-                         + [("snapkv", {"window": 8})])  # another window: the kernel-replay path
-def test_branch_equals_separate_run(prefilled, rule, params):
-    model, ids, sp = prefilled
+# (rule, its params, the shared prefill's window: None = the default)
+CASES = [(r, {"window": 4} if r == "pyramidkv" else {}, None) for r in RULES] + [
+    ("snapkv", {"window": 8}, None),  # another window than the prefill's: the kernel-replay path
+    ("adakv:snapkv", {"window": 4}, 4),  # head-adaptive: the head-pooled cache, the prefill's own window
+]
+
+
+@pytest.mark.parametrize("rule, params, prefill_window", CASES,
+                         ids=[r + "".join(f"-{k}{v}" for k, v in p.items()) + ("" if w is None else f"-prefill{w}")
+                              for r, p, w in CASES])
+def test_branch_equals_separate_run(prefilled, rule, params, prefill_window):
+    model, ids, prefills = prefilled
+    if prefill_window not in prefills:
+        prefills[prefill_window] = shared_prefill(model, ids, window=prefill_window)
+    sp = prefills[prefill_window]
     with torch.no_grad():
         m = fxbudget.compile(model, rule=rule, budget=12, backend=None, headroom=4, **params)
         try:
@@ -42,18 +56,27 @@ def test_branch_equals_separate_run(prefilled, rule, params):
             lb, _ = greedy(m, tok, 5, branched)
             assert torch.equal(la, lb)
             # It did evict: after decoding with eviction on, every budgeted layer holds exactly its budget, in every
-            # row and head, of more tokens than that.
-            for layer in separate.layers:
+            # row and head (pooled: the heads' budgets together, spread unevenly somewhere), of more tokens than that.
+            spread = []
+            for i, layer in enumerate(separate.layers):
                 if not layer.sliding:
-                    held = (layer.pos >= 0).sum(-1)
-                    assert torch.equal(held, torch.full_like(held, layer.budget))
+                    held = separate.head_counts(i)
+                    if layer.pooled:
+                        per_row = held.sum(-1)
+                        assert torch.equal(per_row, torch.full_like(per_row, layer.num_heads * layer.budget)), i
+                        spread.append(len(set(held.flatten().tolist())) > 1)
+                    else:
+                        assert torch.equal(held, torch.full_like(held, layer.budget)), i
                     assert layer.budget < separate.tokens_seen
+            assert separate.head_pool == m.forward.rule.head_adaptive == bool(spread)
+            assert not spread or any(spread)  # the head-adaptive rule did give the heads different shares
         finally:
             model.forward.restore()
 
 
 def test_branch_refuses_used_or_foreign_cache(prefilled):
-    model, ids, sp = prefilled
+    model, ids, prefills = prefilled
+    sp = prefills[None]
     m = fxbudget.compile(model, rule="h2o", budget=12, backend=None)
     try:
         cache = m.forward.new_cache(2)

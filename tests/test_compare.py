@@ -29,7 +29,8 @@ ROW_FIELDS = ("model", "rule", "rule_params", "budget", "protocol", "chunk_size"
               "compile_s", "output_tokens", "prediction", "score", "depth", "n_tokens", "answers", "malloc",
               "answer_tokens", "answer_logprob", "answer_logprob_mean", "likelihood_s", "budget_fraction",
               "context_tokens")
-
+# Every run of this file is on the same tiny model: each rule's fingerprint is traced once, not once per run.
+pytestmark = pytest.mark.usefixtures("shared_fingerprints")
 
 
 def compare(tiny_dir, out, *extra):
@@ -38,7 +39,7 @@ def compare(tiny_dir, out, *extra):
 
 
 @pytest.fixture(scope="module")
-def single_run(tiny_dir, tmp_path_factory):
+def single_run(tiny_dir, tmp_path_factory, shared_fingerprints):
     out = tmp_path_factory.mktemp("run")
     return out, compare(tiny_dir, out)
 

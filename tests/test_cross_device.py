@@ -132,3 +132,31 @@ def test_gzip_dump_is_reproducible(eager_dumps, tmp_path):
     xd.save(eager_dumps[0], tmp_path / "y.json.gz")
     assert (tmp_path / "x.json.gz").read_bytes() == (tmp_path / "y.json.gz").read_bytes()
     assert json.loads(gzip.decompress((tmp_path / "x.json.gz").read_bytes()))["format"] == xd.FORMAT
+
+
+def test_dump_defaults_to_what_compare_picks(tmp_path, monkeypatch, capsys):
+    """No --device/--dtype: cuda in bfloat16 when a GPU is visible, the CPU in float32 otherwise (as `compare`); a GPU
+    that is not there is refused in one line before any model work."""
+    import fxbudget.models
+
+    seen = []
+
+    def load_model(spec, **kwargs):
+        seen.append((kwargs["device"], kwargs["dtype"]))
+        raise RuntimeError("stop after the placement")
+
+    monkeypatch.setattr(fxbudget.models, "load_model", load_model)
+    with pytest.raises(RuntimeError, match="stop after"):
+        xd.main(["dump", "--out", str(tmp_path / "x.json")])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match="stop after"):
+        xd.main(["dump", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(RuntimeError, match="stop after"):
+        xd.main(["dump", "--device", "cpu", "--out", str(tmp_path / "x.json")])
+    assert seen == [("cpu", "float32"), ("cuda:0", "bfloat16"), ("cpu", "float32")]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        xd.main(["dump", "--device", "cuda", "--out", str(tmp_path / "x.json")])
+    assert e.value.code == 2 and "no CUDA GPU is visible" in capsys.readouterr().err
+    assert len(seen) == 3 and not (tmp_path / "x.json").exists()

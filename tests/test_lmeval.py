@@ -25,6 +25,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from fxbudget.lmeval import FxBudgetLM  # noqa: E402
+from conftest import memoized_fingerprints  # noqa: E402
 
 MAX_LENGTH = 48  # small, so rolling texts span several lm-eval windows and contexts get truncated like hf's
 WORDS = ("the cat sat on a mat while dogs ran far away into green hills under a blue sky and birds sang songs of "
@@ -89,6 +90,15 @@ def _fx(model_dir, tasks, tm, args: str, batch_size: int = 3, **kw):
 
 def _resps(result, task):
     return [s["resps"] for s in sorted(result["samples"][task], key=lambda s: s["doc_id"])]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_fingerprints():
+    """Every evaluation here is on one tiny model: each (rule, params) fingerprint is traced once, not once per run."""
+    import importlib
+
+    with memoized_fingerprints(importlib.import_module("fxbudget.lmeval.model")):
+        yield
 
 
 @pytest.fixture(scope="module")

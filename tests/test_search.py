@@ -16,6 +16,8 @@ from fxbudget.models import load_model
 
 from conftest import registry_restored
 
+# One tiny model throughout: the baselines' fingerprints (snapkv, knorm) are traced once, not once per run.
+pytestmark = pytest.mark.usefixtures("shared_fingerprints")
 
 ARGS = ["--tasks", "passkey", "--lengths", "300", "--samples", "2", "--budget", "64", "--rules", "snapkv,knorm",
         "--holdout-samples", "2", "--max-new-tokens", "4", "--quiet"]

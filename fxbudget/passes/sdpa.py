@@ -281,11 +281,13 @@ _SLOT_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms", "owner")  
 
 
 def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
-                 scale: float | None, block: int | None = DEFAULT_BLOCK, pooled: bool = False) -> KernelTrace:
+                 scale: float | None, block: int | None = DEFAULT_BLOCK, pooled: bool = False,
+                 budget_ints: bool = True) -> KernelTrace:
     """Trace `measure`, `rule_region` and `evict` on fake tensors shaped like the example values `ev`.
 
-    `measure` and `evict` are traced a second time with one more slot and `keep + 1`, to find which of their integer
-    arguments grow with the budget (`_mark_budget_ints`).
+    With `budget_ints`, `measure` and `evict` are traced a second time with one more slot and `keep + 1`, to find
+    which of their integer arguments grow with the budget (`_mark_budget_ints`, what `graph_fingerprint` hashes);
+    without, the graphs are the same and carry no `INTS_KEY` (a compiled forward never hashes them).
     """
     # Every shape is static (the scan over query blocks included); a shape environment is what make_fx expects.
     mode = FakeTensorMode(shape_env=ShapeEnv())
@@ -296,6 +298,8 @@ def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: 
     kt = _trace_phases(fake, rule, budget=budget, keep=keep, sliding=sliding, window=window, scale=scale,
                        block=block, mode=mode, pooled=pooled)
     _check_pure(kt.rule, rule)
+    if not budget_ints:
+        return kt
     big = _trace_phases(grown, rule, budget=budget + 1, keep=keep + 1, sliding=sliding, window=window, scale=scale,
                         block=block, mode=mode, pooled=pooled)
     slots = ev["k_slots"].shape[2]
@@ -305,8 +309,9 @@ def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: 
 
 
 def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule,
-            block: int | None = DEFAULT_BLOCK) -> RewriteReport:
-    """Replace every marker-fed SDPA node of `gm` in place; returns what was rewritten and what was left alone."""
+            block: int | None = DEFAULT_BLOCK, budget_ints: bool = True) -> RewriteReport:
+    """Replace every marker-fed SDPA node of `gm` in place; returns what was rewritten and what was left alone.
+    `budget_ints`: mark the kernel's budget-derived ints for `graph_fingerprint` (`trace_kernel`)."""
     report = RewriteReport()
     untouched: list[fx.Node] = []
     traces: dict[tuple, KernelTrace] = {}  # layers of one model share shapes: trace once per configuration
@@ -326,7 +331,8 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule,
                budget, keep, sliding, scale, pooled)
         if key not in traces:
             traces[key] = trace_kernel(ev, sliding_rule if sliding else rule, budget=budget, keep=keep,
-                                       sliding=sliding, window=window, scale=scale, block=block, pooled=pooled)
+                                       sliding=sliding, window=window, scale=scale, block=block, pooled=pooled,
+                                       budget_ints=budget_ints)
         kt = traces[key]
 
         # Splice each phase before the SDPA node, feeding its outputs to the next phase.
