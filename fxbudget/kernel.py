@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .block_scan import scan_blocks as _scan_blocks
+from .kernel_signals import unknown_wo, value_out_norms, window_max
 from .rule_contract import NoMutation, RuleContractError, check_output  # noqa: F401 (RuleContractError: re-export)
 from .rules.base import Rule, Signals
 from .selection import _order_key, _top_indices, evict  # noqa: F401 (evict: the kernel's third phase, re-export)
@@ -36,16 +37,17 @@ DEFAULT_BLOCK = None
 # Names of the tensors `measure` returns after the attention output and the totals: the `Signals` tensor fields.
 SIGNAL_NAMES = (
     "attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "queries", "k_slots", "k_new",
-    "new_pos", "inv_freq", "v_slots", "v_new",
+    "new_pos", "inv_freq", "v_slots", "v_new", "window_max_attn", "wov_norm",
 )
-# The computed signals whose per-call totals are stored (`BudgetLayer.totals`, `[batch, kv_heads, 8]`). Storing them
+# The computed signals whose per-call totals are stored (`BudgetLayer.totals`, `[batch, kv_heads, 9]`). Storing them
 # makes every signal a live value for every rule: dead-code elimination cannot give one rule a cheaper kernel.
-TOTALED = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos")
+TOTALED = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "window_max_attn",
+           "wov_norm")
 
 
 def measure(
     q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, *, window: int, sliding: int,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, wo: Tensor, *, window: int, sliding: int,
     scale: float | None, block: int | None = DEFAULT_BLOCK, traced: bool = False,
 ) -> tuple[Tensor, ...]:
     """Attention output `[batch, q_heads, n, head_dim]`, signal totals, then the signal tensors (`SIGNAL_NAMES`).
@@ -96,6 +98,7 @@ def measure(
     else:
         out, sig_s, sig_n = _loop_blocks(blk, queries_acc, qpos, weights, R)
     out = out.reshape(b, q.shape[1], n, -1).to(v_new.dtype)
+    win_max = window_max(blk, queries_acc, qpos, weights, w, R, S)
     if live < S:
         sig_s = weights.new_zeros(b, h, 3, S)
 
@@ -104,9 +107,10 @@ def measure(
     # Norms of cached entries were stored when they were written: no second pass over the whole K/V cache.
     key_norm = torch.cat([norms[..., 0].to(acc), torch.linalg.vector_norm(k_new, dim=-1, dtype=acc)], dim=-1)
     value_norm = torch.cat([norms[..., 1].to(acc), torch.linalg.vector_norm(v_new, dim=-1, dtype=acc)], dim=-1)
-    totals = signal_totals((attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos), acc)
+    wov_norm = torch.cat([norms[..., 2].to(acc), value_out_norms(v_new, wo, g, acc, traced, R)], dim=-1)
+    totals = signal_totals((attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, win_max, wov_norm), acc)
     return (out, totals, attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, queries, k_slots, k_new,
-            new_pos, inv_freq, v_slots, v_new)
+            new_pos, inv_freq, v_slots, v_new, win_max, wov_norm)
 
 
 class _Block:
@@ -269,7 +273,8 @@ def check_block(block) -> None:
 
 def budget_attention(
     q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor | None = None, owner: Tensor | None = None, *,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor | None = None, wo: Tensor | None = None,
+    owner: Tensor | None = None, *,
     rule: Rule, budget: int, keep: int | None = None, sliding: int = 0, window: int = DEFAULT_WINDOW,
     scale: float | None = None, block: int | None = DEFAULT_BLOCK, pooled: bool = False,
 ) -> Tensor:
@@ -280,12 +285,13 @@ def budget_attention(
         k_slots, v_slots: cached keys/values `[batch, kv_heads, S, head_dim]` (post-RoPE); written in place.
         pos_slots: original positions `[batch, kv_heads, S]`, -1 = empty; written in place.
         state: accumulated attention mass `[batch, kv_heads, S]` (float32); written in place.
-        norms: key and value L2 norms of the cached entries `[batch, kv_heads, S, 2]`; written in place.
+        norms: |k|_2, |v|_2 and |W_o v|_1 (`wov_norm`) of the cached entries `[batch, kv_heads, S, 3]`; in place.
         totals: `[batch, kv_heads, len(TOTALED)]`, receives each signal's total over the candidates of this call.
         k_new, v_new: this call's keys/values `[batch, kv_heads, n, head_dim]`.
         new_pos: positions of the new tokens `[batch, n]` (`[n]`: the same for every row); -1 marks a pad, which
             is never visible, never kept and asks nothing (its output row is zero).
         inv_freq: RoPE inverse frequencies `[head_dim // 2]` (a signal; NaN = unknown, the default).
+        wo: the layer's `o_proj.weight` `[hidden, q_heads * v_head_dim]`, for `wov_norm` (None = unknown: NaN).
         rule: the scoring rule. budget: the layer's budget, for rules.
         keep: how many candidates to keep (default `budget`; all `S` slots while eviction is frozen).
         sliding: sliding-window size for sliding layers, 0 for full attention.
@@ -302,18 +308,19 @@ def budget_attention(
     check_block(block)
     if inv_freq is None:
         inv_freq = torch.full((k_slots.shape[-1] // 2,), float("nan"), device=k_slots.device)
+    wo = unknown_wo(q.shape[1], v_new.shape[-1], k_slots.device) if wo is None else wo
     if new_pos.dim() == 1:
         new_pos = new_pos.expand(k_slots.shape[0], -1)
     if pooled:
         from .pool import attend_pooled  # the pooled phases build on this module's
 
         return attend_pooled(q, k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq,
-                             owner, rule=rule, budget=budget, keep=budget if keep is None else keep,
+                             wo, owner, rule=rule, budget=budget, keep=budget if keep is None else keep,
                              sliding=sliding, window=window, scale=scale, block=block)
     out, new_totals, *signals = measure(q, k_slots, v_slots, pos_slots, state, norms, k_new, v_new, new_pos,
-                                        inv_freq, window=window, sliding=sliding, scale=scale, block=block)
+                                        inv_freq, wo, window=window, sliding=sliding, scale=scale, block=block)
     score = rule_region(rule, budget, min(window, k_new.shape[2]), *signals)
     sig = dict(zip(SIGNAL_NAMES, signals))
-    evict(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], new_totals,
+    evict(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], sig["wov_norm"], new_totals,
           k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, keep=budget if keep is None else keep)
     return out

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxbudget
-from fxbudget import rules
+from fxbudget import kernel_signals, rules
 from fxbudget.kernel import SIGNAL_NAMES, TOTALED, _Block, auto_block, budget_attention, measure
 from fxbudget.passes.sdpa import trace_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -16,6 +16,8 @@ from conftest import COMMON, fresh, greedy, tiny_model
 from host_sync import HostSyncError, NoHostSync, graph_host_syncs
 
 F64 = dict(dtype=torch.float64)
+_MEASURE_INPUTS = ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new", "new_pos", "inv_freq",
+                   "wo")
 
 
 def _call(b=2, h=2, g=3, S=7, held=3, n=23, d=8, left_pads=(0, 4), seed=0):
@@ -26,12 +28,22 @@ def _call(b=2, h=2, g=3, S=7, held=3, n=23, d=8, left_pads=(0, 4), seed=0):
     pos_slots = torch.full((b, h, S), -1, dtype=torch.long)
     pos_slots[..., :held] = torch.arange(held)
     state = torch.rand(b, h, S, generator=gen, **F64) * (pos_slots >= 0)
-    norms = torch.stack([k_slots.norm(dim=-1), v_slots.norm(dim=-1)], dim=-1) * (pos_slots >= 0).unsqueeze(-1)
+    wo = torch.randn(5, h * g * d, generator=gen, **F64)  # an output projection to a hidden size of 5
+    norms = torch.stack([k_slots.norm(dim=-1), v_slots.norm(dim=-1), wov_reference(v_slots, wo, g)], dim=-1) \
+        * (pos_slots >= 0).unsqueeze(-1)
     new_pos = torch.stack([torch.cat([torch.full((p,), -1), torch.arange(held, held + n - p)]) for p in left_pads])
     return dict(q=torch.randn(b, h * g, n, d, generator=gen, **F64), k_slots=k_slots, v_slots=v_slots,
                 pos_slots=pos_slots, state=state, norms=norms, totals=torch.zeros(b, h, len(TOTALED), **F64),
                 k_new=torch.randn(b, h, n, d, generator=gen, **F64), v_new=torch.randn(b, h, n, d, generator=gen, **F64),
-                new_pos=new_pos, inv_freq=1.0 / 10000 ** (torch.arange(0, d, 2, **F64) / d))
+                new_pos=new_pos, inv_freq=1.0 / 10000 ** (torch.arange(0, d, 2, **F64) / d), wo=wo)
+
+
+def wov_reference(v, wo, g):
+    """||W_o^(j) v||_1 averaged over the group's query heads j, one head at a time (kvpress's CriticalKV loop)."""
+    b, h, n, d = v.shape
+    per_head = wo.t().reshape(h * g, d, wo.shape[0])  # query head i*g+j: rows of W_o^T
+    norms = torch.stack([(v[:, i // g] @ per_head[i]).abs().sum(-1) for i in range(h * g)], dim=1)
+    return norms.view(b, h, g, n).mean(dim=2)
 
 
 def _run(inputs, rule, **kw):
@@ -63,13 +75,13 @@ def test_blocks_equal_one_block(rule, params, block, sliding):
     assert not bool((t["pos_slots"] == -1).logical_and(ref_t["pos_slots"] != -1).any())
 
 
-def test_block_signals_match_direct_sums():
+@pytest.mark.parametrize("sliding", [0, 3])  # 3: the window's band of new tokens (5) is shorter than the call (9)
+def test_block_signals_match_direct_sums(sliding):
     """The weighted sums (all queries, the observation window, the last query) are the direct sums of the exact
-    softmax probabilities, per candidate; pads count nowhere."""
+    softmax probabilities, per candidate, and `window_max_attn` their max over the window; pads count nowhere."""
     inputs = _call(S=4, held=4, n=9, left_pads=(0, 2))
     w = 3
-    res = measure(*(inputs[k] for k in ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new",
-                                         "new_pos", "inv_freq")), window=w, sliding=0, scale=None, block=2)
+    res = measure(*(inputs[k] for k in _MEASURE_INPUTS), window=w, sliding=sliding, scale=None, block=2)
     sig = dict(zip(SIGNAL_NAMES, res[2:]))
     b, h, g, n = 2, 2, 3, 9
     keys = torch.cat([inputs["k_slots"], inputs["k_new"]], dim=2)
@@ -78,6 +90,8 @@ def test_block_signals_match_direct_sums():
     logits = q @ keys.unsqueeze(2).transpose(-1, -2) / math.sqrt(8)
     qpos = inputs["new_pos"].view(b, 1, 1, n, 1)
     vis = (pos.view(b, h, 1, 1, -1) >= 0) & (pos.view(b, h, 1, 1, -1) <= qpos)
+    if sliding:
+        vis &= pos.view(b, h, 1, 1, -1) > qpos - sliding
     p = torch.softmax(logits.masked_fill(~vis, float("-inf")), dim=-1).nan_to_num(0.0)  # pad rows: all masked
     valid = inputs["new_pos"] >= 0
     last = inputs["new_pos"].amax(-1, keepdim=True)
@@ -85,6 +99,55 @@ def test_block_signals_match_direct_sums():
                        ("last_attn", inputs["new_pos"] == last)):
         expect = (p * rows.view(b, 1, 1, n, 1)).sum(dim=(2, 3))
         torch.testing.assert_close(sig[name], expect, rtol=1e-12, atol=1e-12, msg=name)
+    # The max over the window's queries and the group's query heads (pads count nowhere; empty slots get 0).
+    rows = valid & (inputs["new_pos"] > last - w)
+    expect = (p * rows.view(b, 1, 1, n, 1)).amax(dim=(2, 3))
+    torch.testing.assert_close(sig["window_max_attn"], expect, rtol=1e-12, atol=1e-12)
+    assert bool((sig["window_max_attn"] < sig["window_attn"] - 1e-9).any())  # a max, not the sum
+    # |W_o v|_1: the stored norms for slots, measured for the new tokens.
+    values = torch.cat([inputs["v_slots"], inputs["v_new"]], dim=2)
+    torch.testing.assert_close(sig["wov_norm"], wov_reference(values, inputs["wo"], g), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("w", [1, 3, 9])
+def test_window_max_in_blocks_and_wov_blocked_over_tokens(w, monkeypatch):
+    """window_max_attn is the same whatever the query block (the window is attended in blocks of at most `block`
+    rows), and wov_norm the same whether the [tokens, group, hidden] projection is blocked over tokens or not, eager
+    and traced (a scan over token blocks)."""
+    inputs = _call(S=4, held=4, n=9, left_pads=(0, 2))
+    args = [inputs[k] for k in _MEASURE_INPUTS]
+    ref = dict(zip(SIGNAL_NAMES, measure(*args, window=w, sliding=0, scale=None, block=10_000)[2:]))
+    monkeypatch.setitem(kernel_signals._WOV_FLOATS, "cpu", 2 * 2 * 3 * 5 * 2)  # two tokens per block (b h g hidden)
+    for blk in (2, 4):
+        got = dict(zip(SIGNAL_NAMES, measure(*args, window=w, sliding=0, scale=None, block=blk)[2:]))
+        for name in ("window_max_attn", "wov_norm"):
+            torch.testing.assert_close(got[name], ref[name], rtol=1e-12, atol=1e-12, msg=name)
+    from fxbudget.kernel_signals import value_out_norms
+    v = inputs["v_new"]
+    traced = value_out_norms(v, inputs["wo"], 3, torch.float64, traced=True)
+    torch.testing.assert_close(traced, wov_reference(v, inputs["wo"], 3), rtol=1e-12, atol=1e-12)
+
+
+def test_wov_scan_compiles_and_equals_eager(monkeypatch):
+    """On a model compiled by the graph pass (aot_eager: functionalized, where a scan body that returned its carry
+    unchanged was refused as aliasing), wov_norm blocked over tokens by a scan equals the eager kernel's: the stored
+    norms and the outputs."""
+    monkeypatch.setitem(kernel_signals._WOV_FLOATS, "cpu", 1)  # one token per block: the scan runs every token
+    model = tiny_model("qwen2", layers=2)
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(4))
+    runs = []
+    for backend in (None, "aot_eager"):
+        m = fxbudget.compile(fresh(model), rule="h2o", budget=12, backend=backend)
+        cache = m.forward.new_cache(1)
+        with torch.no_grad():
+            logits = m(input_ids=ids, past_key_values=cache).logits
+        runs.append((logits, [layer.norms.clone() for layer in cache.layers], cache.positions(0)))
+    (l0, n0, p0), (l1, n1, p1) = runs
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
+    assert torch.equal(p0, p1)
+    for a, b in zip(n0, n1):
+        assert bool((a[..., 2] > 0).any())
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -124,7 +187,6 @@ def _trace_inputs(n, block, sliding=0, h=2, g=3):
                                 block=block)
 
 
-_MEASURE_INPUTS = ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new", "new_pos", "inv_freq")
 
 
 @pytest.mark.parametrize("h, g", [(2, 3), (1, 6)])  # GQA, and one KV head (MQA)

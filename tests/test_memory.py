@@ -62,7 +62,8 @@ def test_chunked_prefill_memory_does_not_grow():
     # One graph per chunk shape, the same at both lengths: nothing depends on the total length.
     assert [g.code for g in short] == [g.code for g in long]
     heads, vocab = model.config.num_attention_heads, model.config.vocab_size
-    bound = max(heads * chunk * (budget + chunk), chunk * vocab)  # attention probabilities, or the chunk's logits
+    # Attention probabilities, the chunk's logits, or its values under W_o per query head (`wov_norm`).
+    bound = max(heads * chunk * (budget + chunk), chunk * vocab, heads * chunk * model.config.hidden_size)
     assert _largest_value(long) <= bound
     # Without chunks, a 256-token prefill is one call whose measure phase loops over query blocks (a scan, whose body
     # is traced once): nothing in the graph is [queries x candidates] of the whole call (tests/test_blocks.py bounds
