@@ -62,8 +62,11 @@ def test_chunked_prefill_memory_does_not_grow():
     # One graph per chunk shape, the same at both lengths: nothing depends on the total length.
     assert [g.code for g in short] == [g.code for g in long]
     heads, vocab = model.config.num_attention_heads, model.config.vocab_size
-    # Attention probabilities, the chunk's logits, or its values under W_o per query head (`wov_norm`).
-    bound = max(heads * chunk * (budget + chunk), chunk * vocab, heads * chunk * model.config.hidden_size)
+    # Attention probabilities, the chunk's logits, its values under W_o per query head (`wov_norm`), or W_o laid out
+    # per query head for that product (the layer's o_proj weight; a per-call copy where the backend materializes it).
+    hidden = model.config.hidden_size
+    bound = max(heads * chunk * (budget + chunk), chunk * vocab, heads * chunk * hidden,
+                heads * (hidden // heads) * hidden)
     assert _largest_value(long) <= bound
     # Without chunks, a 256-token prefill is one call whose measure phase loops over query blocks (a scan, whose body
     # is traced once): nothing in the graph is [queries x candidates] of the whole call (tests/test_blocks.py bounds
