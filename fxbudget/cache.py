@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .checks import check_int
 from .eager import require_interceptor
 from .kernel import TOTALED
-from .kernel_signals import unknown_wo
+from .kernel_signals import out_projection_factors, unknown_wo
 from .layer_config import layer_shapes, layer_windows, rope_inv_freq, text_config
 from .marker import MARKER_STATICS, MARKER_TENSORS, MarkerCall, candidates  # noqa: F401  (importers use cache's)
 
@@ -63,7 +63,7 @@ class BudgetLayer(CacheLayerMixin):
         self.values = torch.zeros(batch_size, kv_heads, slots, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch_size, kv_heads, slots), -1, dtype=torch.long, device=device)
         self.state = torch.zeros(batch_size, kv_heads, slots, dtype=torch.float32, device=device)
-        # |k|_2, |v|_2 and |W_o v|_1 (the `wov_norm` signal) of each cached entry, measured once when it is written.
+        # |k|_2, |v|_2 and mean_j |W_o^(j) v|_2 (the `wov_norm` signal) of each cached entry, measured once when it is written.
         self.norms = torch.zeros(batch_size, kv_heads, slots, 3, dtype=torch.float32, device=device)
         # Per-call totals of each kernel signal (kernel.TOTALED): diagnostics, and what keeps every signal live.
         self.totals = torch.zeros(batch_size, kv_heads, len(TOTALED), dtype=torch.float32, device=device)
@@ -73,9 +73,11 @@ class BudgetLayer(CacheLayerMixin):
         self.keep = budget  # entries kept per call: the budget, or every slot while eviction is frozen
         # RoPE frequencies of this layer's keys/queries (a signal for rules that model future queries); NaN if unknown.
         self.inv_freq = (inv_freq if inv_freq is not None else torch.full((head_dim // 2,), float("nan"))).to(device)
-        # The layer's output projection weight `[hidden, q_heads * v_head_dim]` (a signal: `wov_norm`), set by
-        # `BudgetCache.set_output_projections`; one NaN row while unknown.
-        self.wo = unknown_wo(q_heads or kv_heads, v_head_dim, device)
+        # The layer's output projection as the `wov_norm` signal reads it (per query head, the R of W_o's slice:
+        # `kernel_signals.out_projection_factors`), set by `BudgetCache.set_output_projections`; NaN while unknown.
+        # Not KV bytes (`kv_bytes`): q_heads x v_head_dim^2 floats per layer, v_head_dim / hidden of the o_proj weight.
+        self.q_heads = q_heads or kv_heads
+        self.wo = unknown_wo(kv_heads, self.q_heads // kv_heads, v_head_dim, device)
         self.wo_known = False
         self.is_initialized = True
 
@@ -245,7 +247,8 @@ class BudgetCache(Cache):
 
     def set_output_projections(self, weights: list[Tensor | None]) -> None:
         """Attach each layer's output projection weight (`o_proj.weight`, `[hidden, q_heads * v_head_dim]`, None =
-        unknown), the `wov_norm` signal's W_o. The weights are the model's own tensors (not copied).
+        unknown), the `wov_norm` signal's W_o. The layer keeps its per-query-head R factors
+        (`kernel_signals.out_projection_factors`, computed once per weight), not the weight.
 
         Raises:
             ValueError: one weight per layer is needed, each on its layer's device and of the expected width.
@@ -255,11 +258,12 @@ class BudgetCache(Cache):
         for layer, w in zip(self.layers, weights):
             if w is None:
                 continue
-            width = layer.wo.shape[1]
+            width = layer.q_heads * layer.values.shape[-1]
             if w.dim() != 2 or w.shape[1] != width or w.device != layer.device:
                 raise ValueError(f"layer {layer.layer}: output projection of shape {tuple(w.shape)} on {w.device}; "
                                  f"expected [hidden, {width}] on {layer.device}")
-            layer.wo, layer.wo_known = w.detach(), True
+            layer.wo = out_projection_factors(w, layer.num_heads, layer.values.shape[-1])
+            layer.wo_known = True
 
     @property
     def batch_size(self) -> int:

@@ -7,8 +7,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxbudget
-from fxbudget import kernel_signals, rules
+from fxbudget import rules
 from fxbudget.kernel import SIGNAL_NAMES, TOTALED, _Block, auto_block, budget_attention, measure
+from fxbudget.kernel_signals import out_projection_factors, value_out_norms
 from fxbudget.passes.sdpa import trace_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -28,21 +29,27 @@ def _call(b=2, h=2, g=3, S=7, held=3, n=23, d=8, left_pads=(0, 4), seed=0):
     pos_slots = torch.full((b, h, S), -1, dtype=torch.long)
     pos_slots[..., :held] = torch.arange(held)
     state = torch.rand(b, h, S, generator=gen, **F64) * (pos_slots >= 0)
-    wo = torch.randn(5, h * g * d, generator=gen, **F64)  # an output projection to a hidden size of 5
+    wo = wo_weight(h, g, d)
     norms = torch.stack([k_slots.norm(dim=-1), v_slots.norm(dim=-1), wov_reference(v_slots, wo, g)], dim=-1) \
         * (pos_slots >= 0).unsqueeze(-1)
     new_pos = torch.stack([torch.cat([torch.full((p,), -1), torch.arange(held, held + n - p)]) for p in left_pads])
     return dict(q=torch.randn(b, h * g, n, d, generator=gen, **F64), k_slots=k_slots, v_slots=v_slots,
                 pos_slots=pos_slots, state=state, norms=norms, totals=torch.zeros(b, h, len(TOTALED), **F64),
                 k_new=torch.randn(b, h, n, d, generator=gen, **F64), v_new=torch.randn(b, h, n, d, generator=gen, **F64),
-                new_pos=new_pos, inv_freq=1.0 / 10000 ** (torch.arange(0, d, 2, **F64) / d), wo=wo)
+                new_pos=new_pos, inv_freq=1.0 / 10000 ** (torch.arange(0, d, 2, **F64) / d),
+                wo=out_projection_factors(wo, h, d))
+
+
+def wo_weight(h, g, d, hidden=5, seed=99):
+    """An output projection `[hidden, h * g * d]` (float64), by default to a hidden size below the head dim."""
+    return torch.randn(hidden, h * g * d, generator=torch.Generator().manual_seed(seed), **F64)
 
 
 def wov_reference(v, wo, g):
-    """||W_o^(j) v||_1 averaged over the group's query heads j, one head at a time (kvpress's CriticalKV loop)."""
+    """||W_o^(j) v||_2 averaged over the group's query heads j, from the weight itself, one head at a time."""
     b, h, n, d = v.shape
     per_head = wo.t().reshape(h * g, d, wo.shape[0])  # query head i*g+j: rows of W_o^T
-    norms = torch.stack([(v[:, i // g] @ per_head[i]).abs().sum(-1) for i in range(h * g)], dim=1)
+    norms = torch.stack([(v[:, i // g] @ per_head[i]).norm(dim=-1) for i in range(h * g)], dim=1)
     return norms.view(b, h, g, n).mean(dim=2)
 
 
@@ -104,35 +111,54 @@ def test_block_signals_match_direct_sums(sliding):
     expect = (p * rows.view(b, 1, 1, n, 1)).amax(dim=(2, 3))
     torch.testing.assert_close(sig["window_max_attn"], expect, rtol=1e-12, atol=1e-12)
     assert bool((sig["window_max_attn"] < sig["window_attn"] - 1e-9).any())  # a max, not the sum
-    # |W_o v|_1: the stored norms for slots, measured for the new tokens.
+    # |W_o v|_2: the stored norms for slots, measured for the new tokens.
     values = torch.cat([inputs["v_slots"], inputs["v_new"]], dim=2)
-    torch.testing.assert_close(sig["wov_norm"], wov_reference(values, inputs["wo"], g), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sig["wov_norm"], wov_reference(values, wo_weight(h, g, 8), g), rtol=1e-12,
+                               atol=1e-12)
 
 
+@pytest.mark.parametrize("sliding", [0, 3])
 @pytest.mark.parametrize("w", [1, 3, 9])
-def test_window_max_in_blocks_and_wov_blocked_over_tokens(w, monkeypatch):
-    """window_max_attn is the same whatever the query block (the window is attended in blocks of at most `block`
-    rows), and wov_norm the same whether the [tokens, group, hidden] projection is blocked over tokens or not, eager
-    and traced (a scan over token blocks)."""
+def test_window_max_is_the_same_in_any_block(w, sliding):
+    """window_max_attn is read off the blocks holding the window's rows: the same whatever the query block (one
+    block, or a window split over blocks, some of which skip new tokens they cannot see)."""
     inputs = _call(S=4, held=4, n=9, left_pads=(0, 2))
     args = [inputs[k] for k in _MEASURE_INPUTS]
-    ref = dict(zip(SIGNAL_NAMES, measure(*args, window=w, sliding=0, scale=None, block=10_000)[2:]))
-    monkeypatch.setitem(kernel_signals._WOV_FLOATS, "cpu", 2 * 2 * 3 * 5 * 2)  # two tokens per block (b h g hidden)
+    ref = dict(zip(SIGNAL_NAMES, measure(*args, window=w, sliding=sliding, scale=None, block=10_000)[2:]))
+    assert bool((ref["window_max_attn"] > 0).any())
     for blk in (2, 4):
-        got = dict(zip(SIGNAL_NAMES, measure(*args, window=w, sliding=0, scale=None, block=blk)[2:]))
-        for name in ("window_max_attn", "wov_norm"):
-            torch.testing.assert_close(got[name], ref[name], rtol=1e-12, atol=1e-12, msg=name)
-    from fxbudget.kernel_signals import value_out_norms
-    v = inputs["v_new"]
-    traced = value_out_norms(v, inputs["wo"], 3, torch.float64, traced=True)
-    torch.testing.assert_close(traced, wov_reference(v, inputs["wo"], 3), rtol=1e-12, atol=1e-12)
+        got = dict(zip(SIGNAL_NAMES, measure(*args, window=w, sliding=sliding, scale=None, block=blk)[2:]))
+        torch.testing.assert_close(got["window_max_attn"], ref["window_max_attn"], rtol=1e-12, atol=1e-12)
 
 
-def test_wov_scan_compiles_and_equals_eager(monkeypatch):
-    """On a model compiled by the graph pass (aot_eager: functionalized, where a scan body that returned its carry
-    unchanged was refused as aliasing), wov_norm blocked over tokens by a scan equals the eager kernel's: the stored
-    norms and the outputs."""
-    monkeypatch.setitem(kernel_signals._WOV_FLOATS, "cpu", 1)  # one token per block: the scan runs every token
+@pytest.mark.parametrize("hidden", [5, 40])  # below and above the head dim (8)
+def test_wov_from_the_factors_is_the_weight_norm(hidden):
+    """`||R v||_2` with the factors laid out once equals `||W_o^(j) v||_2` computed from the weight (float64);
+    the factors are computed once per weight and again after an in-place change of it."""
+    h, g, d = 2, 3, 8
+    w = wo_weight(h, g, d, hidden=hidden)
+    v = torch.randn(2, h, 7, d, generator=torch.Generator().manual_seed(1), **F64)
+    factors = out_projection_factors(w, h, d)
+    assert factors.shape == (h, d, g * d)
+    torch.testing.assert_close(value_out_norms(v, factors, torch.float64), wov_reference(v, w, g), rtol=1e-12,
+                               atol=1e-12)
+    assert out_projection_factors(w, h, d) is factors
+    w.mul_(2)
+    torch.testing.assert_close(value_out_norms(v, out_projection_factors(w, h, d), torch.float64),
+                               2 * wov_reference(v, w / 2, g), rtol=1e-12, atol=1e-12)
+
+
+def test_right_padded_call_is_refused():
+    """The window is the call's last queries: pads after a row's tokens are refused (eager), not scored wrong."""
+    inputs = _call(S=4, held=4, n=9, left_pads=(0, 2))
+    inputs["new_pos"][1] = torch.cat([torch.arange(4, 11), torch.full((2,), -1)])
+    with pytest.raises(ValueError, match=r"new_pos: pads \(-1\) must come before a row's tokens"):
+        _run(inputs, rules.get("h2o"), window=3)
+
+
+def test_compiled_norms_equal_eager():
+    """On a model compiled by the graph pass (aot_eager), the stored norms (wov_norm's column included) and the
+    outputs equal the eager kernel's."""
     model = tiny_model("qwen2", layers=2)
     ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(4))
     runs = []

@@ -14,6 +14,7 @@ from fxbudget import rules
 from fxbudget.cache import BudgetCache
 from fxbudget.cli.rules_table import rules_table
 from fxbudget.kernel import measure
+from fxbudget.kernel_signals import out_projection_factors
 from fxbudget.rules.base import Signals
 
 B, H, G, D, HIDDEN, EMPTY = 1, 2, 3, 16, 24, 5
@@ -35,7 +36,8 @@ def _kernel_score(rule, k, v, q, wo, window, budget):
     z = torch.zeros(1, H, EMPTY, D, dtype=DT)
     _, _, *sig = measure(q.unsqueeze(0), z, z, torch.full((1, H, EMPTY), -1), torch.zeros(1, H, EMPTY, dtype=DT),
                          torch.zeros(1, H, EMPTY, 3, dtype=DT), k.unsqueeze(0), v.unsqueeze(0),
-                         torch.arange(L).unsqueeze(0), torch.full((D // 2,), float("nan"), dtype=DT), wo,
+                         torch.arange(L).unsqueeze(0), torch.full((D // 2,), float("nan"), dtype=DT),
+                         out_projection_factors(wo, H, D),
                          window=window, sliding=0, scale=None)
     s = Signals(*sig, budget=budget, window=torch.tensor(min(window, L)).view(1, 1, 1))
     score = rule.score(s).masked_fill(rule.protect(s), float("inf"))
@@ -44,7 +46,8 @@ def _kernel_score(rule, k, v, q, wo, window, budget):
 
 def _reference(k, v, q, wo, window, kernel, budget, threshold=0.9):
     """DefensiveKV's score (EfficientDefensiveKVPress.score and vwl1norm), one KV head budget each, with the max
-    over the window's queries and the group taken before the pooling (the documented departure), float64."""
+    over the window's queries and the group taken before the pooling and the L2 norm of W_o v in place of the L1
+    norm (the documented departures), float64."""
     L = k.shape[1]
     ctx = L - window
     lg = torch.einsum("hgqd,hkd->hgqk", q.view(H, G, L, D)[:, :, -window:], k) / math.sqrt(D)
@@ -57,7 +60,7 @@ def _reference(k, v, q, wo, window, kernel, budget, threshold=0.9):
     pooled = F.avg_pool1d(top.unsqueeze(1), kernel, stride=1, padding=kernel // 2).squeeze(1)
     scores = pooled.clamp(min=pooled.mean(dim=-1, keepdim=True))
     per_head = wo.t().reshape(H * G, D, HIDDEN)
-    wov = torch.stack([(v[i // G, :ctx] @ per_head[i]).abs().sum(-1) for i in range(H * G)]).view(H, G, ctx).mean(1)
+    wov = torch.stack([(v[i // G, :ctx] @ per_head[i]).norm(dim=-1) for i in range(H * G)]).view(H, G, ctx).mean(1)
     scores = scores * wov / wov.sum(dim=0, keepdim=True)  # normalized over the KV heads, per position
     norm = ave / ave.sum(dim=-1, keepdim=True)
     sorted_scores, sorted_idx = torch.sort(norm, dim=-1, descending=True)
@@ -93,7 +96,7 @@ def test_first_stage_is_capped_by_the_budget():
 def test_signals_on_a_model_match_its_attention_and_output_projection():
     """On a real model, one-call prefill: `window_max_attn` is the max over the window's queries and the group's
     query heads of the model's own attention probabilities (eager attention, output_attentions), and `wov_norm`
-    the group mean of ||W_o v||_1 with the layer's o_proj."""
+    the group mean of ||W_o v||_2 with the layer's o_proj."""
     model = tiny_model("qwen2", layers=2)
     ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(1))
     seen = []
@@ -123,7 +126,7 @@ def test_signals_on_a_model_match_its_attention_and_output_projection():
         torch.testing.assert_close(win_max[0, :, S:], p.amax(dim=(1, 2)), rtol=1e-5, atol=1e-6)
         assert torch.equal(win_max[0, :, :S], torch.zeros(kv, S))
         w = model.model.layers[i].self_attn.o_proj.weight.t().reshape(kv * g, -1, model.config.hidden_size)
-        ref = torch.stack([(v_new[0, j // g] @ w[j]).abs().sum(-1) for j in range(kv * g)]).view(kv, g, n).mean(1)
+        ref = torch.stack([(v_new[0, j // g] @ w[j]).norm(dim=-1) for j in range(kv * g)]).view(kv, g, n).mean(1)
         torch.testing.assert_close(wov[0, :, S:], ref, rtol=1e-5, atol=1e-5)
 
 
@@ -182,3 +185,4 @@ def test_refused_without_the_output_projection():
     one = fxbudget.compile(OneLayer(), rule="defensivekv", budget=4, backend=None)
     with pytest.raises(ValueError, match="needs each layer's output projection"), torch.no_grad():
         one(torch.zeros(1, 3, dtype=torch.long), past_key_values=BudgetCache(CONFIG, 4))
+

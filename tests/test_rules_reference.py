@@ -48,7 +48,7 @@ def _signals(k, v, q, inv_freq, window, budget=8, slot_pos=None, slot_k=None, sl
     norms = torch.stack([slot_k.norm(dim=-1), slot_v.norm(dim=-1), torch.zeros_like(slot_k[..., 0])], dim=-1)
     _, _, *sig = measure(q.unsqueeze(0), slot_k, slot_v, slot_pos, torch.zeros(1, H, S, dtype=DT), norms,
                          k.unsqueeze(0), v.unsqueeze(0), torch.arange(start, start + L).unsqueeze(0), inv_freq,
-                         unknown_wo(H * G, D, "cpu"), window=window, sliding=0, scale=None)
+                         unknown_wo(H, G, D, "cpu"), window=window, sliding=0, scale=None)
     return Signals(*sig, budget=budget, window=min(window, L)), S
 
 

@@ -38,8 +38,9 @@ class Signals:
         v_slots, v_new: cached values `[batch, kv_heads, S, head_dim]` and this call's values (`values` joins them).
         window_max_attn: the largest attention probability from any one query of the observation window and any one
             query head of the KV group (the max, where `window_attn` is the sum).
-        wov_norm: L1 norm of each candidate value projected by the layer's output projection, `||W_o^(j) v||_1`
-            over the group's query heads j, averaged over the group (CriticalKV's weight; NaN if W_o is unknown).
+        wov_norm: L2 norm of each candidate value projected by the layer's output projection, `||W_o^(j) v||_2`
+            over the group's query heads j, averaged over the group (CriticalKV's weight, whose paper takes the L1
+            norm; NaN if W_o is unknown).
         budget: the number of slots the layer keeps (a Python int, fixed at compile time).
         window: the observation window, per row `[batch, 1, 1]` (long): how many of this call's real queries
             `window_attn` sums over, `min(w, the row's real tokens)`. A tensor, not an int, so that padding a call

@@ -5,15 +5,18 @@ as its code (github.com/FFY0/DefensiveKV, `EfficientDefensiveKVPress`, window 32
 the observation window, each candidate's attention from the window is average-pooled over `kernel` positions (zero
 padded), its max over the window's queries and the KV group's query heads is clamped below by its mean over the
 context (the "defensive" aggregation), and multiplied by `||W_o v||_1` (CriticalKV's weight: the value under the
-layer's output projection, averaged over the group's query heads) divided by that norm's sum over the layer's KV heads
+layer's output projection, averaged over the group's query heads; here the L2 norm, see below) divided by that norm's sum over the layer's KV heads
 for the same position. First stage (CriticalKV's): the context tokens with the highest mean window attention are kept
 first, as many as reach `threshold` minus the window's attention on its own tokens (at most `budget - window`); the
 window is always kept.
 
 Departures: the reference pools each window query's row before the max and rescales each row to its unpooled mass;
 the kernel measures the max over the window's queries and the group (`window_max_attn`, for every rule) and this rule
-pools that max (max and pooling do not commute; they agree where one query dominates a neighbourhood). The reference
-selects over all KV heads of a layer at once (AdaKV's head budgets); here each KV head keeps `budget` entries. The
+pools that max (max and pooling do not commute; they agree where one query dominates a neighbourhood). The weight
+is the kernel's `wov_norm`, `||W_o v||_2` (exact from W_o's per-head R factors, which the kernel holds instead of
+W_o: an L1 norm needs all of W_o on every call, 1.6-1.8x the kernel's decode time). The reference
+selects over all KV heads of a layer at once (AdaKV's head budgets): `adakv:defensivekv`; plain `defensivekv` keeps
+`budget` entries per KV head. The
 window's attention on its own tokens is averaged over the KV heads of each batch row (reference: also over the
 batch). Slots are unordered per head: the sum over KV heads of a position's W_o-v norm counts the heads that still
 hold it (all of them in a one-call prefill, the paper's setting). Needs the model's output projections (`needs_wo`).
