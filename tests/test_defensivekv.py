@@ -186,3 +186,56 @@ def test_refused_without_the_output_projection():
     with pytest.raises(ValueError, match="needs each layer's output projection"), torch.no_grad():
         one(torch.zeros(1, 3, dtype=torch.long), past_key_values=BudgetCache(CONFIG, 4))
 
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_adakv_defensivekv_covering_budget_reproduces_the_model(backend):
+    """`adakv:defensivekv` (the reference's cross-head selection) on the head-pooled layout: with a budget covering
+    the prompt and the decode steps the model is reproduced and every head holds every token; at a small budget it
+    evicts with per-head counts that differ (a low first-stage threshold), within the pool."""
+    from conftest import greedy
+
+    model = tiny_model("qwen2", layers=2)
+    ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref, _ = greedy(model, ids, 6)
+        got, cache = greedy(fxbudget.compile(fresh(model), rule="adakv:defensivekv", budget=64, backend=backend,
+                                             window=8), ids, 6)
+    assert cache.head_pool and cache.has_wo
+    assert (got - ref).abs().max().item() <= 1e-4
+    for i in range(2):
+        for head in cache.head_positions(i)[0].tolist():
+            assert sorted(p for p in head if p >= 0) == list(range(30))
+    # A low threshold: at the default one the first stage (up to `budget - window` per head, +inf) fills every
+    # head's budget on this short prompt, so no head can take another's share.
+    m = fxbudget.compile(fresh(model), rule="adakv:defensivekv", budget=12, backend=backend, window=4, alpha=0.25,
+                         threshold=0.1)
+    small = m.forward.new_cache(1)
+    with torch.no_grad():
+        m(input_ids=torch.randint(0, 96, (1, 60), generator=torch.Generator().manual_seed(3)), past_key_values=small)
+    counts = [small.head_counts(i)[0].tolist() for i in range(2)]
+    assert all(sum(c) == 2 * 12 and min(c) >= 3 for c in counts)
+    assert any(len(set(c)) > 1 for c in counts), counts  # the budget is spread unevenly over the heads
+
+
+def test_pooled_fingerprint_is_one_value_with_defensivekv():
+    """Every rule pooled shares one kernel fingerprint, defensivekv and adakv:defensivekv included (the new
+    signals are computed for every rule), and unpooled defensivekv shares the unpooled one."""
+    model = tiny_model("qwen2", layers=2)
+    fp = {name: fxbudget.kernel_fingerprint(model, rule=rule, budget=40, head_pool=pool)
+          for name, rule, pool in [("adakv:snapkv", "adakv:snapkv", None),
+                                   ("adakv:defensivekv", "adakv:defensivekv", None),
+                                   ("defensivekv-pooled", "defensivekv", True), ("snapkv", "snapkv", None),
+                                   ("defensivekv", "defensivekv", None)]}
+    assert fp["adakv:snapkv"] == fp["adakv:defensivekv"] == fp["defensivekv-pooled"]
+    assert fp["snapkv"] == fp["defensivekv"] != fp["adakv:snapkv"]
+
+
+def test_adakv_defensivekv_refused_without_the_output_projection():
+    """The AdaKV wrapper carries the wrapped rule's need for W_o: refused on a model whose W_o is not found."""
+    model = tiny_model("qwen2", layers=2)
+    odd = fresh(model)
+    odd.model.layers[0].self_attn.o_proj = torch.nn.Identity()
+    assert rules.get("adakv:defensivekv").needs_wo and rules.Pyramid(rules.get("defensivekv")).needs_wo
+    assert not rules.get("adakv:snapkv").needs_wo and not rules.Pyramid(rules.get("snapkv")).needs_wo
+    with pytest.raises(ValueError, match="rule 'adakv:defensivekv' needs each attention layer's output projection"):
+        fxbudget.compile(odd, rule="adakv:defensivekv", budget=8)
