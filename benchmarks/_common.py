@@ -324,8 +324,10 @@ class LayerCase:
             L.keys.copy_(rnd(*L.keys.shape))
             L.values.copy_(rnd(*L.values.shape))
             L.pos.copy_(torch.arange(budget, device=device).expand_as(L.pos))  # a full cache: every call evicts
-            L.norms.copy_(torch.stack([L.keys.float().norm(dim=-1), L.values.float().norm(dim=-1)], dim=-1))
+            L.norms[..., :2].copy_(torch.stack([L.keys.float().norm(dim=-1), L.values.float().norm(dim=-1)], dim=-1))
             L.seen.fill_(budget)
+        # A random output projection (hidden = heads x head_dim), so the kernel pays for `wov_norm` as on a model.
+        self.cache.set_output_projections([rnd(heads * head_dim, heads * head_dim)])
         self.cache._held = [budget]
         # Static cache for the no-eviction ideal: same token count, the call writes its n rows at the end.
         self.K, self.V = rnd(1, kv_heads, budget, head_dim), rnd(1, kv_heads, budget, head_dim)
@@ -376,7 +378,7 @@ class LayerCase:
                 new_pos = ar + L.seen
                 L.seen.add_(n)
                 return budget_attention(q, L.keys, L.values, L.pos, L.state, L.norms, L.totals, k, v, new_pos,
-                                        L.inv_freq, rule=rule, budget=L.budget, window=window)
+                                        L.inv_freq, L.wo, rule=rule, budget=L.budget, window=window)
 
         step()
         return step

@@ -42,14 +42,14 @@ def _compile(dynamic: bool):
     # nothing, and this benchmark compiles the kernel with Dynamo directly, so it runs without the check.
     fxbudget.kernel.NoMutation = lambda rule, signals: contextlib.nullcontext()
 
-    def kernel(q, k, v, new_pos, keys, values, pos, state, norms, totals, inv_freq):
+    def kernel(q, k, v, new_pos, keys, values, pos, state, norms, totals, inv_freq, wo):
         # The three phases as the SDPA pass splices them (measure traced: no data-dependent branch).
         out, new_totals, *signals = measure(q, keys, values, pos, state, norms, k, v, new_pos.expand(q.shape[0], -1),
-                                            inv_freq, window=window, sliding=0, scale=None, traced=True)
+                                            inv_freq, wo, window=window, sliding=0, scale=None, traced=True)
         score = rule_region(rule, keys.shape[2], min(window, k.shape[2]), *signals)
         sig = dict(zip(SIGNAL_NAMES, signals))
-        evict(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], new_totals, keys, values, pos,
-              state, norms, totals, k, v, keep=keys.shape[2])
+        evict(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], sig["wov_norm"], new_totals, keys,
+              values, pos, state, norms, totals, k, v, keep=keys.shape[2])
         return out
 
     before = counters["stats"]["unique_graphs"]
@@ -66,7 +66,7 @@ def _args(case, n: int, dynamic: bool):
     if dynamic:
         for t, d in ((q, 2), (k, 2), (v, 2), (new_pos, 0)):
             torch._dynamo.maybe_mark_dynamic(t, d)  # the kernel may still specialize it: then graphs > 1
-    return (q, k, v, new_pos, L.keys, L.values, L.pos, L.state, L.norms, L.totals, L.inv_freq)
+    return (q, k, v, new_pos, L.keys, L.values, L.pos, L.state, L.norms, L.totals, L.inv_freq, L.wo)
 
 
 def _child(variant: str, budget: int, bucket: int, lengths: list[int]) -> None:

@@ -18,7 +18,8 @@ from .fingerprint import captured_graphs as _captured_graphs  # noqa: F401  (re-
 from .fingerprint import graph_fingerprint, inspect, kernel_fingerprint  # noqa: F401  (re-export)
 from .forward import ATTN_IMPLEMENTATION, BudgetForward  # noqa: F401  (re-export)
 from .kernel import DEFAULT_BLOCK, check_block
-from .model_cache import check_rule_budget, layer_devices, model_cache, resolve_head_pool  # noqa: F401
+from .model_cache import (  # noqa: F401  (re-export)
+    check_rule_budget, layer_devices, model_cache, output_projections, resolve_head_pool)
 from .regions import compiled_forward
 from .rules import Rule, get
 
@@ -104,6 +105,10 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
             and not BudgetCache(model.config, 1).has_rope:
         raise ValueError(f"rule {rule_obj.name!r} needs the model's RoPE frequencies, and this model does not use "
                          "default RoPE on its full-attention layers")
+    if rule_obj.needs_wo and getattr(model, "config", None) is not None \
+            and any(w is None for w in output_projections(model)):
+        raise ValueError(f"rule {rule_obj.name!r} needs each attention layer's output projection (W_o), and fxbudget "
+                         "cannot find it in this model (attention modules with a layer_idx and a linear o_proj)")
     return BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend, headroom=headroom,
                          block=block, cudagraphs=cudagraphs, head_pool=head_pool).install()
 

@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .checks import check_int
 from .eager import require_interceptor
 from .kernel import TOTALED
+from .kernel_signals import out_projection_factors, unknown_wo
 from .layer_config import layer_shapes, layer_windows, rope_inv_freq, text_config
 from .marker import MARKER_STATICS, MARKER_TENSORS, MarkerCall, candidates  # noqa: F401  (importers use cache's)
 
@@ -49,7 +50,8 @@ class BudgetLayer(CacheLayerMixin):
 
     def __init__(self, *, layer: int, budget: int, slots: int, sliding: int, batch_size: int, kv_heads: int,
                  head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device,
-                 inv_freq: Tensor | None = None, call: CallPositions | None = None, pooled: bool = False):
+                 inv_freq: Tensor | None = None, call: CallPositions | None = None, pooled: bool = False,
+                 q_heads: int | None = None):
         super().__init__()
         self.call = call if call is not None else CallPositions()
         self.layer, self.budget, self.slots, self.sliding = layer, budget, slots, sliding
@@ -61,7 +63,8 @@ class BudgetLayer(CacheLayerMixin):
         self.values = torch.zeros(batch_size, kv_heads, slots, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch_size, kv_heads, slots), -1, dtype=torch.long, device=device)
         self.state = torch.zeros(batch_size, kv_heads, slots, dtype=torch.float32, device=device)
-        self.norms = torch.zeros(batch_size, kv_heads, slots, 2, dtype=torch.float32, device=device)  # |k|, |v|
+        # |k|_2, |v|_2 and mean_j |W_o^(j) v|_2 (the `wov_norm` signal) of each cached entry, measured once when it is written.
+        self.norms = torch.zeros(batch_size, kv_heads, slots, 3, dtype=torch.float32, device=device)
         # Per-call totals of each kernel signal (kernel.TOTALED): diagnostics, and what keeps every signal live.
         self.totals = torch.zeros(batch_size, kv_heads, len(TOTALED), dtype=torch.float32, device=device)
         self.owner = torch.empty(batch_size, kv_heads, slots, dtype=torch.int32, device=device)
@@ -70,6 +73,12 @@ class BudgetLayer(CacheLayerMixin):
         self.keep = budget  # entries kept per call: the budget, or every slot while eviction is frozen
         # RoPE frequencies of this layer's keys/queries (a signal for rules that model future queries); NaN if unknown.
         self.inv_freq = (inv_freq if inv_freq is not None else torch.full((head_dim // 2,), float("nan"))).to(device)
+        # The layer's output projection as the `wov_norm` signal reads it (per query head, the R of W_o's slice:
+        # `kernel_signals.out_projection_factors`), set by `BudgetCache.set_output_projections`; NaN while unknown.
+        # Not KV bytes (`kv_bytes`): q_heads x v_head_dim^2 floats per layer, v_head_dim / hidden of the o_proj weight.
+        self.q_heads = q_heads or kv_heads
+        self.wo = unknown_wo(kv_heads, self.q_heads // kv_heads, v_head_dim, device)
+        self.wo_known = False
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states):  # allocated eagerly in __init__
@@ -92,7 +101,7 @@ class BudgetLayer(CacheLayerMixin):
                 new_pos, advance = new_pos.to(self.device), advance.to(self.device)
             self.seen.add_(advance)
         tensors = (self.keys, self.values, self.pos, self.state, self.norms, self.totals, key_states, value_states,
-                   new_pos, self.inv_freq, self.owner)
+                   new_pos, self.inv_freq, self.wo, self.owner)
         k, v = torch.ops.fxbudget.candidates(*tensors, layer, self.budget, self.keep, self.sliding, self.pooled)
         if not torch.compiler.is_compiling():
             mode = require_interceptor()  # eager: the interceptor must be active, or SDPA would be wrong
@@ -114,7 +123,7 @@ class BudgetLayer(CacheLayerMixin):
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor the compiled kernel reads or writes in place (what `BudgetCache.mark_static` marks)."""
         return (self.keys, self.values, self.pos, self.state, self.norms, self.totals, self.seen, self.inv_freq,
-                self.owner)
+                self.wo, self.owner)
 
     def head_positions(self) -> Tensor:
         """The positions each KV head holds, `[batch, kv_heads, C]` (-1 = none): `C = slots` unpooled, `kv_heads x
@@ -218,7 +227,7 @@ class BudgetCache(Cache):
             layers.append(BudgetLayer(
                 layer=i, budget=b, slots=sliding or b + headroom, sliding=sliding,
                 batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
-                dtype=dtype, device=devices[i], inv_freq=inv_freq, call=self.call, pooled=head_pool))
+                dtype=dtype, device=devices[i], inv_freq=inv_freq, call=self.call, pooled=head_pool, q_heads=heads))
         super().__init__(layers=layers)
         self.budget, self.headroom, self.dtype, self.head_pool = budget, headroom, dtype, head_pool
         self.devices, self.device = devices, devices[0]  # each layer's; the first layer's (positions live there)
@@ -230,6 +239,31 @@ class BudgetCache(Cache):
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         # Entries held per budgeted layer, tracked on the Python side to check head-room before a call runs.
         self._held = [0] * len(self.layer_budgets)
+
+    @property
+    def has_wo(self) -> bool:
+        """Whether every budgeted layer carries its model's output projection (`set_output_projections`)."""
+        return all(layer.wo_known for layer in self._budgeted())
+
+    def set_output_projections(self, weights: list[Tensor | None]) -> None:
+        """Attach each layer's output projection weight (`o_proj.weight`, `[hidden, q_heads * v_head_dim]`, None =
+        unknown), the `wov_norm` signal's W_o. The layer keeps its per-query-head R factors
+        (`kernel_signals.out_projection_factors`, computed once per weight), not the weight.
+
+        Raises:
+            ValueError: one weight per layer is needed, each on its layer's device and of the expected width.
+        """
+        if len(weights) != len(self.layers):
+            raise ValueError(f"set_output_projections: {len(weights)} weights for {len(self.layers)} layers")
+        for layer, w in zip(self.layers, weights):
+            if w is None:
+                continue
+            width = layer.q_heads * layer.values.shape[-1]
+            if w.dim() != 2 or w.shape[1] != width or w.device != layer.device:
+                raise ValueError(f"layer {layer.layer}: output projection of shape {tuple(w.shape)} on {w.device}; "
+                                 f"expected [hidden, {width}] on {layer.device}")
+            layer.wo = out_projection_factors(w, layer.num_heads, layer.values.shape[-1])
+            layer.wo_known = True
 
     @property
     def batch_size(self) -> int:

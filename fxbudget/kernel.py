@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .block_scan import scan_blocks as _scan_blocks
+from .kernel_signals import check_left_padded, unknown_wo, value_out_norms, window_max
 from .rule_contract import NoMutation, RuleContractError, check_output  # noqa: F401 (RuleContractError: re-export)
 from .rules.base import Rule, Signals
 from .selection import _order_key, _top_indices, evict  # noqa: F401 (evict: the kernel's third phase, re-export)
@@ -36,16 +37,17 @@ DEFAULT_BLOCK = None
 # Names of the tensors `measure` returns after the attention output and the totals: the `Signals` tensor fields.
 SIGNAL_NAMES = (
     "attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "queries", "k_slots", "k_new",
-    "new_pos", "inv_freq", "v_slots", "v_new",
+    "new_pos", "inv_freq", "v_slots", "v_new", "window_max_attn", "wov_norm",
 )
-# The computed signals whose per-call totals are stored (`BudgetLayer.totals`, `[batch, kv_heads, 8]`). Storing them
+# The computed signals whose per-call totals are stored (`BudgetLayer.totals`, `[batch, kv_heads, 9]`). Storing them
 # makes every signal a live value for every rule: dead-code elimination cannot give one rule a cheaper kernel.
-TOTALED = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos")
+TOTALED = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "window_max_attn",
+           "wov_norm")
 
 
 def measure(
     q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, *, window: int, sliding: int,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, wo: Tensor, *, window: int, sliding: int,
     scale: float | None, block: int | None = DEFAULT_BLOCK, traced: bool = False,
 ) -> tuple[Tensor, ...]:
     """Attention output `[batch, q_heads, n, head_dim]`, signal totals, then the signal tensors (`SIGNAL_NAMES`).
@@ -79,6 +81,8 @@ def measure(
     weights = torch.stack([valid, valid & (qpos > last - w), valid & (qpos == last)], dim=1).to(acc)  # [b, 3, n]
     slot_pos = pos_slots.to(torch.int32)
     live = S
+    if not traced and n > 1:
+        check_left_padded(new_pos)  # the window is the call's last `w` queries (one token: nothing to check)
     if not traced and not bool((slot_pos >= 0).any()):
         # Eagerly, a call on an empty cache (a prefill) skips its empty slots: they would add exact zeros. The
         # compiled graph cannot branch on data and computes them.
@@ -89,24 +93,28 @@ def measure(
     blk = _Block(kv[0], kv[1], slot_pos[..., :live], kv[2], kv[3], qpos.unsqueeze(1), scale, sliding, acc)
     queries_acc = queries.to(acc)
     R = min(block or auto_block(b * q.shape[1], n, q.device), n)
-    if n <= R:
-        out, sig_s, sig_n = blk(queries_acc, qpos, weights, 0, n)
+    if n <= R:  # one block (a decode step, a prefill chunk): the window max from its softmax
+        out, sig_s, sig_n, max_s, max_n = blk(queries_acc, qpos, weights, 0, n, win=(n - w, n))
+        win_max = torch.cat([max_s, max_n], dim=-1)
     elif traced:
         out, sig_s, sig_n = _scan_blocks(blk, queries_acc, qpos, weights, R)
+        win_max = window_max(blk, queries_acc, qpos, weights, w)  # the last w queries once more
     else:
-        out, sig_s, sig_n = _loop_blocks(blk, queries_acc, qpos, weights, R)
+        out, sig_s, sig_n, win_max = _loop_blocks(blk, queries_acc, qpos, weights, R, w)
     out = out.reshape(b, q.shape[1], n, -1).to(v_new.dtype)
     if live < S:
         sig_s = weights.new_zeros(b, h, 3, S)
+        win_max = torch.cat([win_max.new_zeros(b, h, S - live), win_max], dim=-1)
 
     attn, window_attn, last_attn = (torch.cat([sig_s[:, :, i], sig_n[:, :, i]], dim=-1) for i in range(3))
     acc_attn = torch.cat([state, state.new_zeros(b, h, n)], dim=2).to(acc) + attn
     # Norms of cached entries were stored when they were written: no second pass over the whole K/V cache.
     key_norm = torch.cat([norms[..., 0].to(acc), torch.linalg.vector_norm(k_new, dim=-1, dtype=acc)], dim=-1)
     value_norm = torch.cat([norms[..., 1].to(acc), torch.linalg.vector_norm(v_new, dim=-1, dtype=acc)], dim=-1)
-    totals = signal_totals((attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos), acc)
+    wov_norm = torch.cat([norms[..., 2].to(acc), value_out_norms(v_new, wo, acc)], dim=-1)
+    totals = signal_totals((attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, win_max, wov_norm), acc)
     return (out, totals, attn, window_attn, last_attn, acc_attn, key_norm, value_norm, pos, queries, k_slots, k_new,
-            new_pos, inv_freq, v_slots, v_new)
+            new_pos, inv_freq, v_slots, v_new, win_max, wov_norm)
 
 
 class _Block:
@@ -124,10 +132,11 @@ class _Block:
         self.k_new, self.v_new, self.new_pos = k_new, v_new, new_pos  # new_pos: [b, 1, n] int32
         self.scale, self.sliding, self.acc = scale, sliding, acc
 
-    def __call__(self, qb: Tensor, qpos: Tensor, weights: Tensor, c0, c1):
+    def __call__(self, qb: Tensor, qpos: Tensor, weights: Tensor, c0, c1, win: tuple[int, int] | None = None):
         """`qb` `[b, h, group * R, d]` (group-major rows), `qpos` `[b, R]`, `weights` `[b, 3, R]`; new tokens
         `c0:c1` are the candidates besides the slots. Returns the output `[b, h, group * R, dv]` and the weighted
-        attention sums (`[b, h, 3, S]` over slots, `[b, h, 3, c1 - c0]` over the new tokens)."""
+        attention sums (`[b, h, 3, S]` over slots, `[b, h, 3, c1 - c0]` over the new tokens); with `win`, the
+        block's rows `win[0]:win[1]` that may be window queries, also the window max over them (`window_max`)."""
         b, h, gr, _ = qb.shape
         R = qpos.shape[1]
         g = gr // R
@@ -159,7 +168,19 @@ class _Block:
         out = (_heads_matmul(es, self.v_slots) + en @ self.v_new.narrow(2, c0, length)) * inv
         # The three weighted sums over (group member, query) in one matmul per part: one read of the probabilities.
         wg = weights.unsqueeze(2).expand(b, 3, g, R).reshape(b, 1, 3, gr) * inv.transpose(-1, -2)
-        return out, wg @ es, wg @ en
+        if win is None:
+            return out, wg @ es, wg @ en
+        return out, wg @ es, wg @ en, *self.window_max(es, en, inv, weights[:, 1], *win)
+
+    def window_max(self, es: Tensor, en: Tensor, inv: Tensor, in_window: Tensor, r0: int, r1: int):
+        """`window_max_attn` over rows `r0:r1` of the block: the largest probability each candidate gets from one
+        window query (`in_window` `[b, R]`, 0/1) and one query head of the group, `[b, h, S]` and `[b, h, new]`:
+        a second read of those rows of the probabilities only."""
+        b, h, gr, _ = es.shape
+        R = in_window.shape[1]
+        g = gr // R
+        scale = (inv.view(b, h, g, R, 1) * in_window.view(b, 1, 1, R, 1))[:, :, :, r0:r1]
+        return tuple((x.view(b, h, g, R, -1)[:, :, :, r0:r1] * scale).amax(dim=(2, 3)) for x in (es, en))
 
 
 def _heads_matmul(a: Tensor, m: Tensor) -> Tensor:
@@ -171,9 +192,10 @@ def _heads_matmul(a: Tensor, m: Tensor) -> Tensor:
     return (a.reshape(b, 1, h * a.shape[2], a.shape[-1]) @ m).view(*a.shape[:-1], m.shape[-1])
 
 
-def _loop_blocks(blk: _Block, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
+def _loop_blocks(blk: _Block, queries: Tensor, qpos: Tensor, weights: Tensor, R: int, w: int):
     """Eager: a Python loop over blocks of `R` queries, each seeing only the new tokens it can see. `queries` is the
-    signal tensor `[b, h, group * n, d]`: the blocks read it, so it is computed for every rule."""
+    signal tensor `[b, h, group * n, d]`: the blocks read it, so it is computed for every rule. The blocks holding
+    the call's last `w` queries also give the window max (`_Block.window_max`)."""
     b, h, S = blk.slot_pos.shape
     n = qpos.shape[1]
     g = queries.shape[2] // n
@@ -181,15 +203,20 @@ def _loop_blocks(blk: _Block, queries: Tensor, qpos: Tensor, weights: Tensor, R:
     out = queries.new_empty(b, h, g, n, blk.v_slots.shape[-1])
     sig_s = weights.new_zeros(b, h, 3, S)
     sig_n = weights.new_zeros(b, h, 3, n)
+    max_s, max_n = weights.new_zeros(b, h, S), weights.new_zeros(b, h, n)
     for r0 in range(0, n, R):
         r1 = min(r0 + R, n)
         c0, c1 = _visible_range(r0, r1, n, blk.sliding)
-        o, s_s, s_n = blk(q5[:, :, :, r0:r1].reshape(b, h, g * (r1 - r0), -1), qpos[:, r0:r1], weights[..., r0:r1],
-                          c0, c1)
+        win = (max(n - w, r0) - r0, r1 - r0) if r1 > n - w else None
+        o, s_s, s_n, *m = blk(q5[:, :, :, r0:r1].reshape(b, h, g * (r1 - r0), -1), qpos[:, r0:r1],
+                              weights[..., r0:r1], c0, c1, win=win)
         out[:, :, :, r0:r1] = o.view(b, h, g, r1 - r0, -1)
         sig_s += s_s
         sig_n[..., c0:c1] += s_n
-    return out, sig_s, sig_n
+        if m:
+            max_s = torch.maximum(max_s, m[0])
+            max_n[..., c0:c1] = torch.maximum(max_n[..., c0:c1], m[1])
+    return out, sig_s, sig_n, torch.cat([max_s, max_n], dim=-1)
 
 
 def _visible_range(r0, r1, n: int, sliding: int):
@@ -269,7 +296,8 @@ def check_block(block) -> None:
 
 def budget_attention(
     q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor | None = None, owner: Tensor | None = None, *,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor | None = None, wo: Tensor | None = None,
+    owner: Tensor | None = None, *,
     rule: Rule, budget: int, keep: int | None = None, sliding: int = 0, window: int = DEFAULT_WINDOW,
     scale: float | None = None, block: int | None = DEFAULT_BLOCK, pooled: bool = False,
 ) -> Tensor:
@@ -280,12 +308,14 @@ def budget_attention(
         k_slots, v_slots: cached keys/values `[batch, kv_heads, S, head_dim]` (post-RoPE); written in place.
         pos_slots: original positions `[batch, kv_heads, S]`, -1 = empty; written in place.
         state: accumulated attention mass `[batch, kv_heads, S]` (float32); written in place.
-        norms: key and value L2 norms of the cached entries `[batch, kv_heads, S, 2]`; written in place.
+        norms: |k|_2, |v|_2 and |W_o v|_2 (`wov_norm`) of the cached entries `[batch, kv_heads, S, 3]`; in place.
         totals: `[batch, kv_heads, len(TOTALED)]`, receives each signal's total over the candidates of this call.
         k_new, v_new: this call's keys/values `[batch, kv_heads, n, head_dim]`.
         new_pos: positions of the new tokens `[batch, n]` (`[n]`: the same for every row); -1 marks a pad, which
             is never visible, never kept and asks nothing (its output row is zero).
         inv_freq: RoPE inverse frequencies `[head_dim // 2]` (a signal; NaN = unknown, the default).
+        wo: the layer's output projection as `wov_norm` reads it, `[kv_heads, v_head_dim, group * v_head_dim]`
+            (`kernel_signals.out_projection_factors` of `o_proj.weight`; None = unknown: NaN).
         rule: the scoring rule. budget: the layer's budget, for rules.
         keep: how many candidates to keep (default `budget`; all `S` slots while eviction is frozen).
         sliding: sliding-window size for sliding layers, 0 for full attention.
@@ -302,18 +332,20 @@ def budget_attention(
     check_block(block)
     if inv_freq is None:
         inv_freq = torch.full((k_slots.shape[-1] // 2,), float("nan"), device=k_slots.device)
+    if wo is None:
+        wo = unknown_wo(k_new.shape[1], q.shape[1] // k_new.shape[1], v_new.shape[-1], k_slots.device)
     if new_pos.dim() == 1:
         new_pos = new_pos.expand(k_slots.shape[0], -1)
     if pooled:
         from .pool import attend_pooled  # the pooled phases build on this module's
 
         return attend_pooled(q, k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq,
-                             owner, rule=rule, budget=budget, keep=budget if keep is None else keep,
+                             wo, owner, rule=rule, budget=budget, keep=budget if keep is None else keep,
                              sliding=sliding, window=window, scale=scale, block=block)
     out, new_totals, *signals = measure(q, k_slots, v_slots, pos_slots, state, norms, k_new, v_new, new_pos,
-                                        inv_freq, window=window, sliding=sliding, scale=scale, block=block)
+                                        inv_freq, wo, window=window, sliding=sliding, scale=scale, block=block)
     score = rule_region(rule, budget, min(window, k_new.shape[2]), *signals)
     sig = dict(zip(SIGNAL_NAMES, signals))
-    evict(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], new_totals,
+    evict(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], sig["wov_norm"], new_totals,
           k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, keep=budget if keep is None else keep)
     return out

@@ -21,22 +21,22 @@ class NoBudgetAttentionError(RuntimeError):
 @torch.library.custom_op("fxbudget::candidates", mutates_args=())
 def candidates(
     k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, owner: Tensor, layer: int, budget: int, keep: int,
-    sliding: int, pooled: bool,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, wo: Tensor, owner: Tensor, layer: int, budget: int,
+    keep: int, sliding: int, pooled: bool,
 ) -> tuple[Tensor, Tensor]:
     """Marker: the candidate keys/values (slots then new tokens), as a plain cache would hand them to SDPA."""
     return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
 
 
 @candidates.register_fake
-def _(k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq, owner, layer, budget, keep,
-      sliding, pooled):
+def _(k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq, wo, owner, layer, budget,
+      keep, sliding, pooled):
     return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
 
 
 # Positional argument names of the marker, shared by the pass and the eager interceptor.
 MARKER_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms", "totals", "k_new", "v_new", "new_pos",
-                  "inv_freq", "owner")
+                  "inv_freq", "wo", "owner")
 MARKER_STATICS = ("layer", "budget", "keep", "sliding", "pooled")
 
 

@@ -90,7 +90,24 @@ def model_cache(model: nn.Module, rule: Rule, budget: int, batch_size: int = 1, 
                         headroom=headroom, layer_budgets=layer_budgets(rule, budget, model.config, prompt),
                         head_pool=pooled)
     cache.sized_for_prompt = prompt  # what BudgetForward checks its layer budgets against
+    cache.set_output_projections([w if w is not None and w.device == d else None  # offloaded weights: unknown
+                                  for w, d in zip(output_projections(model), cache.devices)])
     return cache
+
+
+def output_projections(model: nn.Module) -> list[torch.Tensor | None]:
+    """Each decoder layer's attention output projection weight (`o_proj.weight`, `[hidden, q_heads * head_dim]`),
+    found as the attention modules that carry a `layer_idx` and a linear `o_proj` (every transformers decoder that
+    names it so); None for every layer when they cannot all be found (the `wov_norm` signal is then unknown)."""
+    n_layers, _, head_dim, heads, _ = _layer_shapes(model.config)
+    found: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        proj, idx = getattr(module, "o_proj", None), getattr(module, "layer_idx", None)
+        if isinstance(proj, nn.Linear) and isinstance(idx, int) and proj.weight.shape[1] == heads * head_dim:
+            found[idx] = proj.weight
+    if sorted(found) != list(range(n_layers)):
+        return [None] * n_layers
+    return [found[i] for i in range(n_layers)]
 
 
 def check_cache(cache: BudgetCache, model: nn.Module, rule: Rule, budget: int, batch: int,
@@ -111,6 +128,10 @@ def check_cache(cache: BudgetCache, model: nn.Module, rule: Rule, budget: int, b
         raise ValueError("cache was built for another model (layers/heads/head_dim differ)")
     if rule.needs_rope and not cache.has_rope:
         raise ValueError(f"rule {rule.name!r} needs RoPE frequencies this cache does not have")
+    if rule.needs_wo and not cache.has_wo:
+        raise ValueError(f"rule {rule.name!r} needs each layer's output projection (W_o) and this cache has none: "
+                         "build it with model.forward.new_cache(), or call cache.set_output_projections("
+                         "fxbudget.model_cache.output_projections(model))")
     prompt = getattr(cache, "sized_for_prompt", None)  # None for an explicitly built cache: the fixed schedule
     expected = layer_budgets(rule, budget, config, prompt) if config is not None else None
     if expected is not None and cache.layer_budgets != expected:

@@ -40,8 +40,8 @@ def head_view(x: Tensor, owner: Tensor, empty: float | int) -> Tensor:
 
 
 def measure_pooled(q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor,
-                   k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, owner: Tensor, **kwargs
-                   ) -> tuple[Tensor, ...]:
+                   k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, wo: Tensor, owner: Tensor,
+                   **kwargs) -> tuple[Tensor, ...]:
     """`kernel.measure` on the pooled layer (same outputs; the slot signals are `[b, h, h*S]`, `k_slots` and
     `v_slots` the pool `[b, 1, h*S, d]`, which `rule_region` hands the rule expanded to every head, a view: in the
     rule region, so a rule that does not read keys leaves no trace of it). `kwargs`: `measure`'s keyword
@@ -50,12 +50,13 @@ def measure_pooled(q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tenso
     P = h * S
     k_pool, v_pool = k_slots.view(b, 1, P, d), v_slots.view(b, 1, P, v_slots.shape[-1])
     return measure(q, k_pool, v_pool, head_view(pos_slots, owner, -1), head_view(state, owner, 0.0),
-                   head_view(norms, owner, 0.0), k_new, v_new, new_pos, inv_freq, **kwargs)
+                   head_view(norms, owner, 0.0), k_new, v_new, new_pos, inv_freq, wo, **kwargs)
 
 
 def evict_pooled(score: Tensor, pos: Tensor, acc_attn: Tensor, key_norm: Tensor, value_norm: Tensor,
-                 totals: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor,
-                 totals_buf: Tensor, k_new: Tensor, v_new: Tensor, owner: Tensor, *, keep: int) -> None:
+                 wov_norm: Tensor, totals: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor,
+                 state: Tensor, norms: Tensor, totals_buf: Tensor, k_new: Tensor, v_new: Tensor, owner: Tensor, *,
+                 keep: int) -> None:
     """`kernel.evict` on the pool: keep the best `h x keep` of the layer's pooled slots and new tokens, in place.
 
     Per-candidate inputs are per head, `[b, h, h*S + n]` (from `measure_pooled` and the rule region).
@@ -74,25 +75,25 @@ def evict_pooled(score: Tensor, pos: Tensor, acc_attn: Tensor, key_norm: Tensor,
                        .expand(b, 1, h * n)], dim=-1)
     # Ties (equal score and position: the same token in two heads) go to the higher head, so the order is total.
     tie = torch.where(pos_f >= 0, pos_f * h + heads, -1)
-    evict(flat(score), pos_f, flat(acc_attn), flat(key_norm), flat(value_norm), totals,
+    evict(flat(score), pos_f, flat(acc_attn), flat(key_norm), flat(value_norm), flat(wov_norm), totals,
           k_slots.view(b, 1, P, d), v_slots.view(b, 1, P, v_slots.shape[-1]), pos_slots.view(b, 1, P),
-          state.view(b, 1, P), norms.view(b, 1, P, 2), totals_buf,
+          state.view(b, 1, P), norms.view(b, 1, P, norms.shape[-1]), totals_buf,
           k_new.reshape(b, 1, h * n, d), v_new.reshape(b, 1, h * n, v_new.shape[-1]),
           keep=h * keep, owner=own, cand_owner=heads, tie_pos=tie)
 
 
 def attend_pooled(q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor,
-                  totals: Tensor, k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor,
+                  totals: Tensor, k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, wo: Tensor,
                   owner: Tensor | None, *, rule: Rule, budget: int, keep: int, sliding: int, window: int,
                   scale: float | None, block: int | None) -> Tensor:
     """`kernel.budget_attention(pooled=True)`: the three pooled phases in order (arguments as there)."""
     if owner is None:
         raise ValueError("budget_attention(pooled=True) needs the slots' owner tensor")
     out, new_totals, *signals = measure_pooled(q, k_slots, v_slots, pos_slots, state, norms, k_new, v_new, new_pos,
-                                               inv_freq, owner, window=window, sliding=sliding, scale=scale,
+                                               inv_freq, wo, owner, window=window, sliding=sliding, scale=scale,
                                                block=block)
     score = rule_region(rule, budget, min(window, k_new.shape[2]), *signals, floor=allocation_floor(rule, budget))
     sig = dict(zip(SIGNAL_NAMES, signals))
-    evict_pooled(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], new_totals, k_slots,
-                 v_slots, pos_slots, state, norms, totals, k_new, v_new, owner, keep=keep)
+    evict_pooled(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], sig["wov_norm"], new_totals,
+                 k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, owner, keep=keep)
     return out

@@ -17,10 +17,10 @@ def _top_indices(x: Tensor, k: int, *, largest: bool) -> Tensor:
 
 
 def evict(
-    score: Tensor, pos: Tensor, acc_attn: Tensor, key_norm: Tensor, value_norm: Tensor, totals: Tensor,
-    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals_buf: Tensor,
-    k_new: Tensor, v_new: Tensor, *, keep: int, owner: Tensor | None = None, cand_owner: Tensor | None = None,
-    tie_pos: Tensor | None = None,
+    score: Tensor, pos: Tensor, acc_attn: Tensor, key_norm: Tensor, value_norm: Tensor, wov_norm: Tensor,
+    totals: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor,
+    totals_buf: Tensor, k_new: Tensor, v_new: Tensor, *, keep: int, owner: Tensor | None = None,
+    cand_owner: Tensor | None = None, tie_pos: Tensor | None = None,
 ) -> None:
     """Keep the best `keep` candidates and write the surviving new tokens into freed slots, in place.
 
@@ -65,7 +65,7 @@ def evict(
     if owner is not None:
         owner.copy_(refill(owner, cand_owner, -1))
     state.copy_(refill(acc_attn[..., :S], acc_attn, 0.0))
-    norms.copy_(torch.stack([refill(x[..., :S], x, 0.0) for x in (key_norm, value_norm)], dim=-1))
+    norms.copy_(torch.stack([refill(x[..., :S], x, 0.0) for x in (key_norm, value_norm, wov_norm)], dim=-1))
     totals_buf.copy_(totals)
 
 

@@ -14,7 +14,7 @@ import torch
 import fxbudget
 from conftest import fresh, greedy, tiny_model
 from fxbudget.cache import BudgetCache
-from fxbudget.kernel import budget_attention
+from fxbudget.kernel import TOTALED, budget_attention
 from fxbudget.rules import AdaKV, Pyramid, Rule, get
 from fxbudget.rules.base import Signals
 from fxbudget.rules.snapkv import SnapKV
@@ -136,10 +136,11 @@ def test_adakv_selection_matches_reference(alpha, seed):
     # Head 0 scores far below the others: without the per-head floor it would keep nothing.
     scale = torch.tensor([0.05, 1.0, 1.5, 2.0], dtype=torch.float64)
     keys = torch.randn(b, P, d, generator=g, dtype=torch.float64) * scale[owner.long()].unsqueeze(-1)
-    norms = torch.stack([keys.norm(dim=-1), torch.rand(b, P, generator=g, dtype=torch.float64)], -1).float()
+    norms = torch.stack([keys.norm(dim=-1), torch.rand(b, P, generator=g, dtype=torch.float64),
+                         torch.rand(b, P, generator=g, dtype=torch.float64)], -1).float()
     k_slots, v_slots = keys.view(b, h, S, d).float(), torch.randn(b, h, S, d, generator=g)
     pos_slots, owner4 = pos.view(b, h, S).clone(), owner.view(b, h, S).clone()
-    state, totals = torch.zeros(b, h, S), torch.zeros(b, h, 7)
+    state, totals = torch.zeros(b, h, S), torch.zeros(b, h, len(TOTALED))
     k_new = torch.randn(b, h, n, d, generator=g) * scale.float().view(1, h, 1, 1)
     v_new = torch.randn(b, h, n, d, generator=g)
     new_pos = torch.arange(P, P + n).expand(b, n)
@@ -150,8 +151,8 @@ def test_adakv_selection_matches_reference(alpha, seed):
         scores = [[(int(pos[r, s]), float(norms[r, s, 0])) for s in range(P) if owner[r, s] == j]
                   + [(P + t, float(k_new[r, j, t].norm())) for t in range(n)] for j in range(h)]
         expect.append(_reference(scores, B, int(alpha * B)))
-    norms4 = norms.view(b, h, S, 2).clone()
-    budget_attention(q, k_slots, v_slots, pos_slots, state, norms4, totals, k_new, v_new, new_pos, None, owner4,
+    norms4 = norms.view(b, h, S, 3).clone()
+    budget_attention(q, k_slots, v_slots, pos_slots, state, norms4, totals, k_new, v_new, new_pos, None, None, owner4,
                      rule=rule, budget=B, pooled=True)
     for r in range(b):
         got = {(int(o), int(p)) for o, p in zip(owner4[r].flatten(), pos_slots[r].flatten()) if p >= 0}

@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fxbudget
 from fxbudget import rules
 from fxbudget.kernel import SIGNAL_NAMES, TOTALED, _Block, auto_block, budget_attention, measure
+from fxbudget.kernel_signals import out_projection_factors, value_out_norms
 from fxbudget.passes.sdpa import trace_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -16,6 +17,8 @@ from conftest import COMMON, fresh, greedy, tiny_model
 from host_sync import HostSyncError, NoHostSync, graph_host_syncs
 
 F64 = dict(dtype=torch.float64)
+_MEASURE_INPUTS = ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new", "new_pos", "inv_freq",
+                   "wo")
 
 
 def _call(b=2, h=2, g=3, S=7, held=3, n=23, d=8, left_pads=(0, 4), seed=0):
@@ -26,12 +29,28 @@ def _call(b=2, h=2, g=3, S=7, held=3, n=23, d=8, left_pads=(0, 4), seed=0):
     pos_slots = torch.full((b, h, S), -1, dtype=torch.long)
     pos_slots[..., :held] = torch.arange(held)
     state = torch.rand(b, h, S, generator=gen, **F64) * (pos_slots >= 0)
-    norms = torch.stack([k_slots.norm(dim=-1), v_slots.norm(dim=-1)], dim=-1) * (pos_slots >= 0).unsqueeze(-1)
+    wo = wo_weight(h, g, d)
+    norms = torch.stack([k_slots.norm(dim=-1), v_slots.norm(dim=-1), wov_reference(v_slots, wo, g)], dim=-1) \
+        * (pos_slots >= 0).unsqueeze(-1)
     new_pos = torch.stack([torch.cat([torch.full((p,), -1), torch.arange(held, held + n - p)]) for p in left_pads])
     return dict(q=torch.randn(b, h * g, n, d, generator=gen, **F64), k_slots=k_slots, v_slots=v_slots,
                 pos_slots=pos_slots, state=state, norms=norms, totals=torch.zeros(b, h, len(TOTALED), **F64),
                 k_new=torch.randn(b, h, n, d, generator=gen, **F64), v_new=torch.randn(b, h, n, d, generator=gen, **F64),
-                new_pos=new_pos, inv_freq=1.0 / 10000 ** (torch.arange(0, d, 2, **F64) / d))
+                new_pos=new_pos, inv_freq=1.0 / 10000 ** (torch.arange(0, d, 2, **F64) / d),
+                wo=out_projection_factors(wo, h, d))
+
+
+def wo_weight(h, g, d, hidden=5, seed=99):
+    """An output projection `[hidden, h * g * d]` (float64), by default to a hidden size below the head dim."""
+    return torch.randn(hidden, h * g * d, generator=torch.Generator().manual_seed(seed), **F64)
+
+
+def wov_reference(v, wo, g):
+    """||W_o^(j) v||_2 averaged over the group's query heads j, from the weight itself, one head at a time."""
+    b, h, n, d = v.shape
+    per_head = wo.t().reshape(h * g, d, wo.shape[0])  # query head i*g+j: rows of W_o^T
+    norms = torch.stack([(v[:, i // g] @ per_head[i]).norm(dim=-1) for i in range(h * g)], dim=1)
+    return norms.view(b, h, g, n).mean(dim=2)
 
 
 def _run(inputs, rule, **kw):
@@ -63,13 +82,13 @@ def test_blocks_equal_one_block(rule, params, block, sliding):
     assert not bool((t["pos_slots"] == -1).logical_and(ref_t["pos_slots"] != -1).any())
 
 
-def test_block_signals_match_direct_sums():
+@pytest.mark.parametrize("sliding", [0, 3])  # 3: the window's band of new tokens (5) is shorter than the call (9)
+def test_block_signals_match_direct_sums(sliding):
     """The weighted sums (all queries, the observation window, the last query) are the direct sums of the exact
-    softmax probabilities, per candidate; pads count nowhere."""
+    softmax probabilities, per candidate, and `window_max_attn` their max over the window; pads count nowhere."""
     inputs = _call(S=4, held=4, n=9, left_pads=(0, 2))
     w = 3
-    res = measure(*(inputs[k] for k in ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new",
-                                         "new_pos", "inv_freq")), window=w, sliding=0, scale=None, block=2)
+    res = measure(*(inputs[k] for k in _MEASURE_INPUTS), window=w, sliding=sliding, scale=None, block=2)
     sig = dict(zip(SIGNAL_NAMES, res[2:]))
     b, h, g, n = 2, 2, 3, 9
     keys = torch.cat([inputs["k_slots"], inputs["k_new"]], dim=2)
@@ -78,6 +97,8 @@ def test_block_signals_match_direct_sums():
     logits = q @ keys.unsqueeze(2).transpose(-1, -2) / math.sqrt(8)
     qpos = inputs["new_pos"].view(b, 1, 1, n, 1)
     vis = (pos.view(b, h, 1, 1, -1) >= 0) & (pos.view(b, h, 1, 1, -1) <= qpos)
+    if sliding:
+        vis &= pos.view(b, h, 1, 1, -1) > qpos - sliding
     p = torch.softmax(logits.masked_fill(~vis, float("-inf")), dim=-1).nan_to_num(0.0)  # pad rows: all masked
     valid = inputs["new_pos"] >= 0
     last = inputs["new_pos"].amax(-1, keepdim=True)
@@ -85,6 +106,74 @@ def test_block_signals_match_direct_sums():
                        ("last_attn", inputs["new_pos"] == last)):
         expect = (p * rows.view(b, 1, 1, n, 1)).sum(dim=(2, 3))
         torch.testing.assert_close(sig[name], expect, rtol=1e-12, atol=1e-12, msg=name)
+    # The max over the window's queries and the group's query heads (pads count nowhere; empty slots get 0).
+    rows = valid & (inputs["new_pos"] > last - w)
+    expect = (p * rows.view(b, 1, 1, n, 1)).amax(dim=(2, 3))
+    torch.testing.assert_close(sig["window_max_attn"], expect, rtol=1e-12, atol=1e-12)
+    assert bool((sig["window_max_attn"] < sig["window_attn"] - 1e-9).any())  # a max, not the sum
+    # |W_o v|_2: the stored norms for slots, measured for the new tokens.
+    values = torch.cat([inputs["v_slots"], inputs["v_new"]], dim=2)
+    torch.testing.assert_close(sig["wov_norm"], wov_reference(values, wo_weight(h, g, 8), g), rtol=1e-12,
+                               atol=1e-12)
+
+
+@pytest.mark.parametrize("sliding", [0, 3])
+@pytest.mark.parametrize("w", [1, 3, 9])
+def test_window_max_is_the_same_in_any_block(w, sliding):
+    """window_max_attn is read off the blocks holding the window's rows: the same whatever the query block (one
+    block, or a window split over blocks, some of which skip new tokens they cannot see)."""
+    inputs = _call(S=4, held=4, n=9, left_pads=(0, 2))
+    args = [inputs[k] for k in _MEASURE_INPUTS]
+    ref = dict(zip(SIGNAL_NAMES, measure(*args, window=w, sliding=sliding, scale=None, block=10_000)[2:]))
+    assert bool((ref["window_max_attn"] > 0).any())
+    for blk in (2, 4):
+        got = dict(zip(SIGNAL_NAMES, measure(*args, window=w, sliding=sliding, scale=None, block=blk)[2:]))
+        torch.testing.assert_close(got["window_max_attn"], ref["window_max_attn"], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("hidden", [5, 40])  # below and above the head dim (8)
+def test_wov_from_the_factors_is_the_weight_norm(hidden):
+    """`||R v||_2` with the factors laid out once equals `||W_o^(j) v||_2` computed from the weight (float64);
+    the factors are computed once per weight and again after an in-place change of it."""
+    h, g, d = 2, 3, 8
+    w = wo_weight(h, g, d, hidden=hidden)
+    v = torch.randn(2, h, 7, d, generator=torch.Generator().manual_seed(1), **F64)
+    factors = out_projection_factors(w, h, d)
+    assert factors.shape == (h, d, g * d)
+    torch.testing.assert_close(value_out_norms(v, factors, torch.float64), wov_reference(v, w, g), rtol=1e-12,
+                               atol=1e-12)
+    assert out_projection_factors(w, h, d) is factors
+    w.mul_(2)
+    torch.testing.assert_close(value_out_norms(v, out_projection_factors(w, h, d), torch.float64),
+                               2 * wov_reference(v, w / 2, g), rtol=1e-12, atol=1e-12)
+
+
+def test_right_padded_call_is_refused():
+    """The window is the call's last queries: pads after a row's tokens are refused (eager), not scored wrong."""
+    inputs = _call(S=4, held=4, n=9, left_pads=(0, 2))
+    inputs["new_pos"][1] = torch.cat([torch.arange(4, 11), torch.full((2,), -1)])
+    with pytest.raises(ValueError, match=r"new_pos: pads \(-1\) must come before a row's tokens"):
+        _run(inputs, rules.get("h2o"), window=3)
+
+
+def test_compiled_norms_equal_eager():
+    """On a model compiled by the graph pass (aot_eager), the stored norms (wov_norm's column included) and the
+    outputs equal the eager kernel's."""
+    model = tiny_model("qwen2", layers=2)
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(4))
+    runs = []
+    for backend in (None, "aot_eager"):
+        m = fxbudget.compile(fresh(model), rule="h2o", budget=12, backend=backend)
+        cache = m.forward.new_cache(1)
+        with torch.no_grad():
+            logits = m(input_ids=ids, past_key_values=cache).logits
+        runs.append((logits, [layer.norms.clone() for layer in cache.layers], cache.positions(0)))
+    (l0, n0, p0), (l1, n1, p1) = runs
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
+    assert torch.equal(p0, p1)
+    for a, b in zip(n0, n1):
+        assert bool((a[..., 2] > 0).any())
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -124,7 +213,6 @@ def _trace_inputs(n, block, sliding=0, h=2, g=3):
                                 block=block)
 
 
-_MEASURE_INPUTS = ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new", "new_pos", "inv_freq")
 
 
 @pytest.mark.parametrize("h, g", [(2, 3), (1, 6)])  # GQA, and one KV head (MQA)

@@ -15,7 +15,7 @@ from fxbudget.cache import BudgetCache
 from fxbudget.rules import get
 
 CPU, META = torch.device("cpu"), torch.device("meta")
-LAYER_TENSORS = ("keys", "values", "pos", "state", "norms", "totals", "seen", "inv_freq")
+LAYER_TENSORS = ("keys", "values", "pos", "state", "norms", "totals", "seen", "inv_freq", "wo")
 
 
 def _dispatched(model):

@@ -186,8 +186,10 @@ def _full_layer(budget: int, seed: int = 0):
     L.values.copy_(torch.randn(L.values.shape, generator=g))
     L.pos.copy_(torch.stack([torch.randperm(budget, generator=g) for _ in range(2)]).unsqueeze(0))
     L.state.copy_(torch.rand(L.state.shape, generator=g))
-    L.norms.copy_(torch.stack([L.keys.norm(dim=-1), L.values.norm(dim=-1)], dim=-1))
+    L.norms[..., :2].copy_(torch.stack([L.keys.norm(dim=-1), L.values.norm(dim=-1)], dim=-1))
     L.seen.fill_(budget)
+    cache.set_output_projections([torch.randn(32, 32, generator=g)])  # W_o (hidden 32), for `wov_norm`
+    L.norms[..., 2].copy_(torch.rand(L.state.shape, generator=g))
     call = (torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 3, 8, generator=g),
             torch.randn(1, 2, 3, 8, generator=g))
     return cache, call
@@ -230,8 +232,9 @@ def test_signed_zero_scores_tie_and_the_newer_wins(compiled):
     score = torch.where(pos >= 4, -0.0, 0.0).float()  # the new (newer) tokens score -0.0, the slots +0.0
     assert torch.signbit(score[..., S:]).all()
     slots = [torch.randn(b, h, S, d), torch.randn(b, h, S, d), pos[..., :S].clone(), torch.zeros(b, h, S),
-             torch.zeros(b, h, S, 2), torch.zeros(b, h, 7)]
-    signals = [pos, torch.zeros(b, h, S + n), torch.ones(b, h, S + n), torch.ones(b, h, S + n), torch.zeros(b, h, 7)]
+             torch.zeros(b, h, S, 3), torch.zeros(b, h, 9)]
+    signals = [pos, torch.zeros(b, h, S + n), torch.ones(b, h, S + n), torch.ones(b, h, S + n), torch.ones(b, h, S + n),
+               torch.zeros(b, h, 9)]
     fn = torch.compile(evict, backend="aot_eager", fullgraph=True) if compiled else evict
     fn(score, *signals, *slots, torch.randn(b, h, n, d), torch.randn(b, h, n, d), keep=S)
     assert sorted(slots[2][0, 0].tolist()) == [3, 4, 5, 6] and sorted(slots[2][0, 1].tolist()) == [3, 4, 5, 6]

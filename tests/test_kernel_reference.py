@@ -184,7 +184,7 @@ def check_against_reference(rule, batch, kv_heads, group, head_dim, budget, call
     k_slots, v_slots = torch.zeros(b, h, budget, d, **f64), torch.zeros(b, h, budget, d, **f64)
     pos_slots = torch.full((b, h, budget), -1, dtype=torch.long)
     state = torch.zeros(b, h, budget, **f64)
-    norms = torch.zeros(b, h, budget, 2, **f64)
+    norms = torch.zeros(b, h, budget, 3, **f64)
     totals = torch.zeros(b, h, len(TOTALED), **f64)
     window = WINDOW
     rule_obj, ref_rule, ref_params = _rule(rule)
@@ -222,7 +222,7 @@ def test_no_visible_candidate_gives_zeros_not_nan():
     b, h, d = 1, 1, 4
     z = torch.zeros(b, h, 3, d)
     out = budget_attention(torch.randn(b, h, 1, d), z, z, torch.full((b, h, 3), -1), torch.zeros(b, h, 3),
-                           torch.zeros(b, h, 3, 2), torch.zeros(b, h, len(TOTALED)), torch.randn(b, h, 1, d),
+                           torch.zeros(b, h, 3, 3), torch.zeros(b, h, len(TOTALED)), torch.randn(b, h, 1, d),
                            torch.randn(b, h, 1, d), torch.tensor([-1]), rule=rules.get("h2o"), budget=3)
     assert not out.isnan().any() and torch.equal(out, torch.zeros_like(out))
 
@@ -235,7 +235,7 @@ def test_decode_writes_one_row_per_head():
     pos = torch.arange(S).expand(b, h, S).clone()
     state = torch.rand(b, h, S)
     k0, v0, p0 = k_slots.clone(), v_slots.clone(), pos.clone()
-    norms = torch.stack([k_slots.norm(dim=-1), v_slots.norm(dim=-1)], dim=-1)
+    norms = torch.stack([k_slots.norm(dim=-1), v_slots.norm(dim=-1), torch.zeros(b, h, S)], dim=-1)
     budget_attention(torch.randn(b, h * 2, 1, d), k_slots, v_slots, pos, state, norms, torch.zeros(b, h, len(TOTALED)),
                      torch.randn(b, h, 1, d) * 0.1, torch.randn(b, h, 1, d), torch.tensor([S]),
                      rule=rules.get("knorm"), budget=S)
@@ -260,7 +260,7 @@ def _sdpa_reference_case(dtype, held: int, n: int, seed: int, b=1, h=2, g=4, d=6
     slots = lambda x: F.pad(x[:, :, :held], (0, 0, 0, budget - held)).to(dtype)  # noqa: E731
     pos = torch.full((b, h, budget), -1)
     pos[..., :held] = torch.arange(held)
-    norms = torch.stack([k[:, :, :held].norm(dim=-1), v[:, :, :held].norm(dim=-1)], -1)
+    norms = torch.stack([k[:, :, :held].norm(dim=-1), v[:, :, :held].norm(dim=-1), torch.zeros(b, h, held, **f64)], -1)
     out = budget_attention(q.to(dtype), slots(k), slots(v), pos, torch.zeros(b, h, budget),
                            F.pad(norms, (0, 0, 0, budget - held)).float(), torch.zeros(b, h, len(TOTALED)),
                            k[:, :, held:].to(dtype), v[:, :, held:].to(dtype), torch.arange(held, held + n),

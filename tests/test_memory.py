@@ -62,7 +62,9 @@ def test_chunked_prefill_memory_does_not_grow():
     # One graph per chunk shape, the same at both lengths: nothing depends on the total length.
     assert [g.code for g in short] == [g.code for g in long]
     heads, vocab = model.config.num_attention_heads, model.config.vocab_size
-    bound = max(heads * chunk * (budget + chunk), chunk * vocab)  # attention probabilities, or the chunk's logits
+    # Attention probabilities or the chunk's logits: `wov_norm` reads W_o as its per-head R factors (q_heads x
+    # head_dim^2, laid out once), so no W_o-sized copy and no [chunk, heads, hidden] product is allowed any more.
+    bound = max(heads * chunk * (budget + chunk), chunk * vocab)
     assert _largest_value(long) <= bound
     # Without chunks, a 256-token prefill is one call whose measure phase loops over query blocks (a scan, whose body
     # is traced once): nothing in the graph is [queries x candidates] of the whole call (tests/test_blocks.py bounds

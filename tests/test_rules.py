@@ -21,7 +21,7 @@ def _kept_after_one_call(rule, budget, n=20, seed=0):
     z = torch.zeros(b, h, budget, d)
     pos = torch.full((b, h, budget), -1)
     budget_attention(torch.randn(b, 2 * h, n, d, generator=gen), z, z.clone(), pos, torch.zeros(b, h, budget),
-                     torch.zeros(b, h, budget, 2), torch.zeros(b, h, len(TOTALED)),
+                     torch.zeros(b, h, budget, 3), torch.zeros(b, h, len(TOTALED)),
                      torch.randn(b, h, n, d, generator=gen), torch.randn(b, h, n, d, generator=gen), torch.arange(n),
                      rule=rule, budget=budget, window=rule.window or 32)
     return [sorted(p for p in row.tolist() if p >= 0) for row in pos[0]]
@@ -164,7 +164,7 @@ def _one_call(fn, slot_pos, n, *, dtype=torch.float32):
     pos = torch.tensor(slot_pos).view(b, h, S)
     start = max(slot_pos) + 1
     budget_attention(torch.randn(b, h, n, d, dtype=dtype), z, z.clone(), pos, torch.zeros(b, h, S),
-                     torch.zeros(b, h, S, 2), torch.zeros(b, h, len(TOTALED)), torch.randn(b, h, n, d, dtype=dtype),
+                     torch.zeros(b, h, S, 3), torch.zeros(b, h, len(TOTALED)), torch.randn(b, h, n, d, dtype=dtype),
                      torch.randn(b, h, n, d, dtype=dtype), torch.arange(start, start + n), rule=_Scored(fn), budget=S)
     return sorted(p for p in pos.flatten().tolist() if p >= 0)
 

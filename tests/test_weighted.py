@@ -57,7 +57,8 @@ def _signals(c_valid: int, c_empty: int, seed: int = 0, garbage: float = 0.0) ->
                    queries=torch.zeros(b, h, 2 * n, d), k_slots=torch.full((b, h, c_empty, d), garbage),
                    k_new=torch.randn(b, h, n, d, generator=g), new_pos=torch.arange(n).view(1, n),
                    inv_freq=torch.ones(d // 2), v_slots=torch.full((b, h, c_empty, d), garbage),
-                   v_new=torch.randn(b, h, n, d, generator=g), budget=8, window=4)
+                   v_new=torch.randn(b, h, n, d, generator=g), window_max_attn=per(torch.rand(b, h, n, generator=g)),
+                   wov_norm=per(torch.rand(b, h, n, generator=g)), budget=8, window=4)
 
 
 @pytest.mark.parametrize("garbage", [0.0, 1e6])

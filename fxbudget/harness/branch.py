@@ -27,7 +27,8 @@ from ..rules.base import Signals
 
 _K, _V, _P = (MARKER_TENSORS.index(n) for n in ("k_new", "v_new", "new_pos"))
 _SLOT_TENSORS = ("k_slots", "v_slots")  # signals that are the cache's own tensors: the branched cache's, not recorded
-_PER_CANDIDATE = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos")
+_PER_CANDIDATE = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "window_max_attn",
+                  "wov_norm")
 
 
 @dataclass
@@ -109,7 +110,7 @@ def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str) -> None
             layer.seen.add_(prefill.n)
             if window != prefill.window:  # the recorded signals are for another window: replay the kernel call
                 budget_attention(query, layer.keys, layer.values, layer.pos, layer.state, layer.norms,
-                                 layer.totals, t[_K], t[_V], t[_P], layer.inv_freq, layer.owner,
+                                 layer.totals, t[_K], t[_V], t[_P], layer.inv_freq, layer.wo, layer.owner,
                                  rule=sliding_rule if layer.sliding else rule, budget=layer.budget, keep=layer.keep,
                                  sliding=layer.sliding, window=window, scale=scale, block=prefill.block,
                                  pooled=layer.pooled)
@@ -138,7 +139,8 @@ def _evict_from_signals(rec: dict, layer, rule: Rule, window: int, v_new: Tensor
         keys = keys.view(b, 1, h * S, d).expand(b, h, h * S, d)
         values = values.view(b, 1, h * S, values.shape[-1]).expand(b, h, h * S, values.shape[-1])
         slots = h * S
-    slot_part = {"pos": pos, "acc_attn": state, "key_norm": norms[..., 0], "value_norm": norms[..., 1]}
+    slot_part = {"pos": pos, "acc_attn": state, "key_norm": norms[..., 0], "value_norm": norms[..., 1],
+                 "wov_norm": norms[..., 2]}
     sig = {}
     for name in SIGNAL_NAMES:
         if name in _PER_CANDIDATE:
@@ -153,8 +155,8 @@ def _evict_from_signals(rec: dict, layer, rule: Rule, window: int, v_new: Tensor
     floor = {"floor": allocation_floor(rule, layer.budget)} if layer.pooled else {}
     score = rule_region(rule, layer.budget, min(window, n), *sig.values(), **floor)
     totals = signal_totals(tuple(sig[name] for name in TOTALED), sig["attn"].dtype)
-    args = (score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], totals, layer.keys,
-            layer.values, layer.pos, layer.state, layer.norms, layer.totals, rec["k_new"], v_new)
+    args = (score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], sig["wov_norm"], totals,
+            layer.keys, layer.values, layer.pos, layer.state, layer.norms, layer.totals, rec["k_new"], v_new)
     if layer.pooled:
         evict_pooled(*args, layer.owner, keep=layer.keep)
     else:

@@ -166,8 +166,9 @@ def _trace(fn, fakes, mode: FakeTensorMode) -> fx.GraphModule:
         return make_fx(fn, tracing_mode="real")(*fakes)
 
 
-_MEASURE_ARGS = ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new", "new_pos", "inv_freq")
-_EVICT_SIGNALS = ("pos", "acc_attn", "key_norm", "value_norm")
+_MEASURE_ARGS = ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new", "new_pos", "inv_freq",
+                 "wo")
+_EVICT_SIGNALS = ("pos", "acc_attn", "key_norm", "value_norm", "wov_norm")
 _EVICT_ARGS = ("k_slots", "v_slots", "pos_slots", "state", "norms", "totals", "k_new", "v_new")
 
 

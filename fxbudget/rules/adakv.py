@@ -58,6 +58,7 @@ class AdaKV(Rule):
             raise ValueError(f"rule {self.name!r}: the wrapped rule is already head-adaptive")
         self.window = getattr(self.rule, "window", None)
         self.needs_rope = self.rule.needs_rope
+        self.needs_wo = self.rule.needs_wo
 
     def floor(self, budget: int) -> int:
         """Entries each head keeps whatever the other heads score: `int(alpha * budget)` (kvpress's `n_safe`)."""

@@ -36,6 +36,11 @@ class Signals:
         inv_freq: the layer's RoPE inverse frequencies `[head_dim // 2]` (NaN if the model's RoPE is not the default
             kind); `queries` and keys are post-RoPE.
         v_slots, v_new: cached values `[batch, kv_heads, S, head_dim]` and this call's values (`values` joins them).
+        window_max_attn: the largest attention probability from any one query of the observation window and any one
+            query head of the KV group (the max, where `window_attn` is the sum).
+        wov_norm: L2 norm of each candidate value projected by the layer's output projection, `||W_o^(j) v||_2`
+            over the group's query heads j, averaged over the group (CriticalKV's weight, whose paper takes the L1
+            norm; NaN if W_o is unknown).
         budget: the number of slots the layer keeps (a Python int, fixed at compile time).
         window: the observation window, per row `[batch, 1, 1]` (long): how many of this call's real queries
             `window_attn` sums over, `min(w, the row's real tokens)`. A tensor, not an int, so that padding a call
@@ -56,6 +61,8 @@ class Signals:
     inv_freq: Tensor
     v_slots: Tensor
     v_new: Tensor
+    window_max_attn: Tensor
+    wov_norm: Tensor
     budget: int
     window: Tensor
 
@@ -117,6 +124,7 @@ class Rule:
     needs_rope: ClassVar[bool] = False  # True if `score` reads `inv_freq`: models without default RoPE are refused
     # True for rules that spread a layer's budget over its KV heads (`AdaKV`): they run on the head-pooled layout.
     head_adaptive: ClassVar[bool] = False
+    needs_wo: ClassVar[bool] = False  # True if `score` reads `wov_norm`: models whose W_o is not found are refused
 
     def layer_budgets(self, budget: int, n_layers: int, prompt: int | None = None) -> list[int] | None:
         """Per-layer budgets for the `n_layers` budgeted layers (None = `budget` for all); must sum to

@@ -69,6 +69,8 @@ class Pyramid(Rule):
     def __post_init__(self):
         self.name = f"pyramid({self.rule.name})"
         self.window = getattr(self.rule, "window", None)
+        # The wrapped rule's needs (checked before compiling: RoPE frequencies, W_o).
+        self.needs_rope, self.needs_wo = self.rule.needs_rope, self.rule.needs_wo
 
     def score(self, s: Signals) -> Tensor:
         return self.rule.score(s)
