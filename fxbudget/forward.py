@@ -78,6 +78,9 @@ class BudgetForward:
         self._advance: dict[tuple, torch.Tensor] = {}  # one tensor per call length and device: no copy per step
         self._sliding_rule = get("window")  # the rule of sliding-window layers (eager path)
         self._frozen_runner: Callable[..., Any] | None = None
+        # Set by a rule's own protocol around the one call it may evict in (`fxbudget.kvzip_protocol`): that call is
+        # never split into chunks. A `replay_only` rule refuses every other evicting call.
+        self.replaying = False
         if backend is None:
             self._run = self._run_eager
         else:
@@ -242,7 +245,11 @@ class BudgetForward:
             raise ValueError("a budget-compiled model always uses its cache; do not pass use_cache=False")
         batch, n = x.shape[0], x.shape[1]
         cache = self._resolve_cache(cache, batch, n)
-        step = self.chunk_size or n
+        if getattr(self.rule, "replay_only", False) and not cache._frozen and not self.replaying:
+            raise ValueError(f"rule {self.rule.name!r} scores a replay of the context and evicts only in its protocol: "
+                             f"use fxbudget.kvzip_protocol.compress(model, context_ids, replay_ids) to compress a "
+                             f"context (calls under cache.frozen() are allowed), not plain generation")
+        step = n if self.replaying else (self.chunk_size or n)
         chunks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
         # Each row's positions (-1 = a left pad): the kernel's visibility and the model's RoPE both use them. Read
         # back once per call at most (the mask check and the real tokens per chunk; a decode step reads nothing).

@@ -121,8 +121,8 @@ def load_file(path: str | os.PathLike, *, replace: bool = False) -> list[str]:
 
 # Built-in rules register themselves on import.
 from . import (  # noqa: E402,F401
-    adakv, chunkkv, compactor, cur, defensivekv, expected_attention, full, h2o, keydiff, knorm, lagkv, leverage,
-    observed_attention, pyramidkv, random, snapkv, streamingllm, tova, weighted, window,
+    adakv, chunkkv, compactor, cur, defensivekv, expected_attention, full, h2o, keydiff, knorm, kvzip, lagkv,
+    leverage, observed_attention, pyramidkv, random, snapkv, streamingllm, tova, weighted, window,
 )
 from .adakv import AdaKV  # noqa: E402
 from .pyramidkv import Pyramid, pyramid_budgets  # noqa: E402
