@@ -102,8 +102,14 @@ class Grid:
             if t not in TASKS:
                 raise ValueError(f"unknown task {t!r}; known tasks: {', '.join(TASKS)}")
         check_rule_params(self.rules, self.rule_params)
-        windows = {r: kernel_window(get(r, **self.rule_params.get(r, {})))  # get raises, listing the known rules
-                   for r in self.rules if r != REFERENCE}
+        made = {r: get(r, **self.rule_params.get(r, {})) for r in self.rules if r != REFERENCE}  # raises, listing
+        # A replay rule (kvzip) runs its own protocol, whose window is the whole replay call: it decides nothing in
+        # the other rules' calls, so it is exempt from the shared window (its rows record it).
+        replayed = [r for r, rule in made.items() if getattr(rule, "replay_only", False)]
+        if replayed and self.protocols != ["query-agnostic"]:
+            raise ValueError(f"{', '.join(replayed)} runs its own replay protocol, a query-agnostic one: run it with "
+                             f"--protocol query-agnostic only, got {','.join(self.protocols)}")
+        windows = {r: kernel_window(rule) for r, rule in made.items() if r not in replayed}
         if len(set(windows.values())) > 1:
             # The window is a parameter of the shared kernel's measure phase: rules compare only at one window.
             raise ValueError("the rules of one comparison must share one observation window (it is part of the "

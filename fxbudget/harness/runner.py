@@ -41,6 +41,7 @@ from ..api import BudgetForward, frozen_runner, kernel_fingerprint
 from ..api import compile as fx_compile
 from ..backend import kernel_window
 from ..cache_arg import output_cache
+from ..kvzip_protocol import compress, replay_ids
 from ..rules import get
 from . import results
 from .branch import branch, shared_prefill
@@ -117,6 +118,7 @@ class Runner:
         self._frozen: dict[tuple, tuple[object, list]] = {}
         # The same cache and question shapes for every sample (set by run() from the plan).
         self.headroom, self.question_bucket = 0, 0
+        self.max_context = 0  # the plan's longest context: replay rules hold it all before compressing
         self.compile_s = self.run_s = 0.0
         self.fingerprint_s = 0.0  # tracing the kernel fingerprints (outside compile_s and run_s)
 
@@ -150,6 +152,7 @@ class Runner:
 
         plan = self.prepare()
         self.headroom, self.question_bucket = self._shapes(plan)
+        self.max_context = self._max_context(plan)
         bar = tqdm(total=sum(len(todo) for _, todo in plan), unit="row", disable=not self.progress,
                    dynamic_ncols=True)
         rows = []
@@ -179,7 +182,9 @@ class Runner:
         from tqdm.auto import tqdm
 
         if not self.headroom:  # a worker: the shapes of the whole grid, the same on every worker
-            self.headroom, self.question_bucket = self._shapes([(u, configs(self.grid)) for u in units(self.grid)])
+            everything = [(u, configs(self.grid)) for u in units(self.grid)]
+            self.headroom, self.question_bucket = self._shapes(everything)
+            self.max_context = self._max_context(everything)
         yield from self._run_unit(unit, todo, tqdm(disable=True))
 
     def _shapes(self, plan) -> tuple[int, int]:
@@ -198,6 +203,11 @@ class Runner:
                 headroom = max(headroom, frozen)
             question_bucket = max(question_bucket, q)
         return math.ceil(headroom / 64) * 64, math.ceil(question_bucket / 16) * 16
+
+    def _max_context(self, plan) -> int:
+        """The longest context of the plan's samples (tokens)."""
+        return max((chat_ids(self.tok, _load_sample(self.grid, u, self.tok, self._samples))[0].shape[1]
+                    for u, _ in plan), default=0)
 
     def _forward(self, rule, budget: int) -> BudgetForward:
         """The model with `rule` and `budget` installed; built (and compiled, lazily) once per run."""
@@ -257,7 +267,8 @@ class Runner:
                 continue
             prefill_ids = torch.cat([ctx, question], dim=1) if aware else ctx
             shared, shared_s, shared_peak = None, None, None
-            if g.shares_prefill and any(rule != REFERENCE for _, rule, _ in group):
+            if g.shares_prefill and any(rule != REFERENCE and not getattr(get(rule), "replay_only", False)
+                                        for _, rule, _ in group):
                 peak = Peak(prefill_ids.device)
                 with Clock() as c:
                     shared = shared_prefill(model, prefill_ids)
@@ -318,10 +329,20 @@ class Runner:
         # With a shared prefill, the forward's own peak is recorded apart (`shared_prefill_peak_mem_bytes`); this one
         # covers the branch and decode (the recorded prefill is still held).
         peak = Peak(prefill_ids.device)
+        replay = getattr(rule, "replay_only", False)  # kvzip: its own protocol (query-agnostic, checked by the grid)
+        shared = None if replay else shared
+        done = None
         try:
-            cache = model.forward.new_cache(prefill_ids.shape[0], prompt=prefill_ids.shape[1])
+            if not replay:
+                cache = model.forward.new_cache(prefill_ids.shape[0], prompt=prefill_ids.shape[1])
             with Clock() as pre:
-                if shared is not None:
+                if replay:  # the context prefill and its replay: both are prefill time
+                    # One cache size per budget for the run (its compiled graphs serve every sample).
+                    slots = max(self.max_context - budget, self.headroom)
+                    done = compress(model, prefill_ids, replay_ids(self.tok, prefill_ids), clock=Clock,
+                                    cache=model.forward.new_cache(prefill_ids.shape[0], headroom=slots))
+                    cache, logits = done.cache, done.logits
+                elif shared is not None:
                     branch(shared, cache, rule)
                     logits = shared.logits
                 else:
@@ -348,6 +369,7 @@ class Runner:
                 "compiled_graphs": len(forward.graphs) + len(self._frozen_for(forward)[1]) if g.backend else None,
                 # With a shared prefill, prefill_s is what a separate run would take: the shared forward + the branch.
                 "prefill_s": pre.run + (shared_s or 0.0), "branch_s": pre.run if shared is not None else None,
+                "replay_s": done and done.replay_s, "replay_tokens": done and done.replay_tokens,
                 "decode_s": question_clock.run + dec.run,
                 "compile_s": pre.compile + question_clock.compile + dec.compile + likelihood.pop("compile_s"),
                 **likelihood, "output_ids": ids, "output_tokens": len(ids), **kv_bytes(cache),
