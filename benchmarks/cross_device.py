@@ -6,10 +6,11 @@
 
 `dump` runs the embedded model (or `--model DIR`) on fixed prompts (`--task` generated from `--seed` at each of
 `--lengths` context tokens; the whole chat prompt, question included, is one prefill call with eviction), for every
-evicting rule (`fxbudget.rules.available()` minus `full`) at each of `--budgets`. For each (length, rule, budget) it
-records the kept positions of every budgeted layer and KV head after the prefill and after `--steps` greedy decode
-steps (eviction on at every step), the greedy tokens with their top-1/top-2 logit gap, and the environment. Tokens
-are taken for a fixed number of steps (EOS does not stop them), so two dumps always have the same length.
+evicting rule (`fxbudget.rules.available()` minus `full` and the replay rule `kvzip`) at each of `--budgets`. For each
+(length, rule, budget) it records the kept positions of every budgeted layer and KV head after the prefill and after
+`--steps` greedy decode steps (eviction on at every step), the greedy tokens with their top-1/top-2 logit gap, and
+the environment. Tokens are taken for a fixed number of steps (EOS does not stop them), so two dumps always have the
+same length.
 
 - `--backend eager`: fxbudget's eager kernel. Each prompt's forward runs once (`shared_prefill`) and each rule's cache
   is branched from it (`branch`: bit-identical to a separate prefill, tests/test_branch.py). The rule is wrapped in
@@ -266,9 +267,10 @@ def dump(model, tokenizer, model_name: str, *, device: str, dtype: str, backend:
 
     from fxbudget.harness.branch import shared_prefill
     from fxbudget.kernel import DEFAULT_WINDOW
-    from fxbudget.rules import available
+    from fxbudget.rules import available, get
 
-    rules = list(rules or [r for r in available() if r != "full"])
+    # Replay rules (kvzip) evict only in their own protocol, not in plain generation.
+    rules = list(rules or [r for r in available() if r != "full" and not getattr(get(r), "replay_only", False)])
     model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
     env = env_info(device)
     env.update(dtype=dtype, backend=backend, transformers=transformers.__version__, fxbudget_commit=_git_commit(),

@@ -127,8 +127,9 @@ def compress(model: nn.Module, context_ids: Tensor, replay: Tensor, *, headroom:
     b, n = context_ids.shape
     m = replay.shape[1]
     if n > rule.chunk_size:
-        raise ValueError(f"{rule.name}: a context of {n} tokens exceeds chunk_size={rule.chunk_size}; the replay is one "
-                         f"call (replaying chunk by chunk needs a score carried across calls): pass chunk_size >= {n}")
+        raise ValueError(f"{rule.name}: a context of {n} tokens exceeds chunk_size={rule.chunk_size}; the replay is "
+                         f"one call (replaying chunk by chunk needs a score carried across calls): pass chunk_size "
+                         f">= {n}")
     if m > rule.window:
         raise ValueError(f"{rule.name}: the replay of {m} tokens exceeds the kernel window {rule.window} "
                          f"(chunk_size + prompt tokens): its scores would miss replay queries")

@@ -166,6 +166,9 @@ def test_defaults_are_the_references():
     rule = rules.get("kvzip")
     assert rule.params() == {"n_sink": 4, "kvzip_plus_normalization": False, "chunk_size": 2048}
     assert rule.window == 2048 + 64
+    from fxbudget.cli.rules_table import rules_table
+
+    assert "| `kvzip` |" in rules_table() and "n_sink=4, kvzip_plus_normalization=False, chunk_size=2048" in rules_table()
 
 
 def test_refused_outside_its_protocol():
@@ -186,7 +189,7 @@ def test_refused_outside_its_protocol():
         compress(fxbudget.compile(fresh(model), rule="snapkv", budget=8, backend=None), ids, ids)
     # (`chunk_size` of compile() is its prefill chunking: the rule's own is set on the instance)
     short = fxbudget.compile(fresh(model), rule=rules.get("kvzip", chunk_size=10), budget=8, backend=None)
-    with pytest.raises(ValueError, match="kvzip: a context of 12 tokens exceeds chunk_size=10; .* pass chunk_size >= 12"):
+    with pytest.raises(ValueError, match="kvzip: a context of 12 tokens exceeds chunk_size=10; .* chunk_size >= 12"):
         compress(short, ids, ids[:, :4])
     with pytest.raises(ValueError, match="kvzip: the replay of 75 tokens exceeds the kernel window 74"):
         compress(short, ids[:, :8], torch.zeros(1, 75, dtype=torch.long))
