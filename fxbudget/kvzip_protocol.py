@@ -40,7 +40,7 @@ def template_parts(tokenizer) -> tuple[int, Tensor]:
         return 0, tokenizer("\n", return_tensors="pt", add_special_tokens=False).input_ids
     marker = "fxbudget context marker"
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
-                                         tokenize=False)
+                                         tokenize=False, enable_thinking=False)  # the reference's header
     head, tail = text.split(marker, 1)
     prefix = tokenizer(head, return_tensors="pt", add_special_tokens=False).input_ids.shape[1]
     return prefix, tokenizer(tail, return_tensors="pt", add_special_tokens=False).input_ids

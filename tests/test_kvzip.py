@@ -17,11 +17,11 @@ H, G, D = 2, 3, 8
 DT = torch.float64
 
 
-def _reference_kept(k, q, slot_pos, budget, n_sink):
+def _reference_kept(k, q, slot_pos, budget, n_sink, prefix=0):
     """Plain Python, float64. `k` `[H, S + m, D]`: the cached keys (slot order) then the replay's; `q` `[H * G, m, D]`
     the replay's queries. Per KV head, each cached token's largest attention probability over the replay's queries
     (causal among the replay, every cached token visible) and the group's query heads; sinks first; returns the top
-    `budget` positions per head, sorted."""
+    `budget` positions per head, sorted. The header (positions n_sink..prefix) scores 0."""
     m = q.shape[1]
     S = k.shape[1] - m
     kept = []
@@ -36,13 +36,15 @@ def _reference_kept(k, q, slot_pos, budget, n_sink):
                 total = sum(ex)
                 for c in range(S):
                     best[c] = max(best[c], ex[c] / total)
-        score = {int(slot_pos[h, c]): (math.inf if slot_pos[h, c] < n_sink else best[c]) for c in range(S)}
+        score = {int(slot_pos[h, c]): (math.inf if slot_pos[h, c] < n_sink else 0.0 if slot_pos[h, c] < prefix
+                                       else best[c]) for c in range(S)}
         kept.append(sorted(sorted(score, key=lambda p: (score[p], p))[-budget:]))
     return kept
 
 
-@pytest.mark.parametrize("L, m, budget, n_sink", [(20, 6, 8, 4), (24, 9, 5, 0), (16, 4, 12, 2)])
-def test_kernel_keeps_the_reference_top_budget(L, m, budget, n_sink):
+@pytest.mark.parametrize("L, m, budget, n_sink, prefix", [(20, 6, 8, 4, 0), (24, 9, 5, 0, 0), (16, 4, 12, 2, 0),
+                                                          (20, 6, 8, 2, 7)])
+def test_kernel_keeps_the_reference_top_budget(L, m, budget, n_sink, prefix):
     """The replay call on a full cache of `L` context tokens (slots in shuffled order): the kernel keeps exactly the
     reference's top `budget` and none of the replay's tokens."""
     gen = torch.Generator().manual_seed(L + m)
@@ -54,11 +56,11 @@ def test_kernel_keeps_the_reference_top_budget(L, m, budget, n_sink):
     slot_pos = torch.stack([torch.randperm(L, generator=gen) for _ in range(H)]).unsqueeze(0)  # unordered slots
     k_ref = torch.cat([ks, k_new], dim=2)[0].clone()
     pos = slot_pos.clone()
-    rule = rules.get("kvzip", n_sink=n_sink)
+    rule = rules.get("kvzip", n_sink=n_sink, prefix_length=prefix)
     budget_attention(q, ks, vs, pos, torch.zeros(1, H, L), torch.zeros(1, H, L, 3), torch.zeros(1, H, 9),
                      k_new, v_new, torch.arange(L, L + m), rule=rule, budget=budget, window=rule.window)
     got = [sorted(p for p in row if p >= 0) for row in pos[0].tolist()]
-    assert got == _reference_kept(k_ref, q[0], slot_pos[0], budget, n_sink)
+    assert got == _reference_kept(k_ref, q[0], slot_pos[0], budget, n_sink, prefix)
 
 
 def _model_reference_kept(model, ctx, replay, budget, n_sink):
@@ -150,6 +152,7 @@ def test_same_kernel_fingerprint_as_every_rule():
 @pytest.mark.parametrize("params, match", [
     ({"n_sink": -1}, "kvzip n_sink must be an int >= 0, got -1"),
     ({"chunk_size": 0}, "kvzip chunk_size must be an int >= 1, got 0"),
+    ({"prefix_length": -1}, "kvzip prefix_length must be an int >= 0, got -1"),
     ({"chunk_size": 2.5}, "kvzip chunk_size must be an int >= 1, got 2.5"),
     ({"kvzip_plus_normalization": 1}, "kvzip kvzip_plus_normalization must be a bool, got 1"),
     ({"kvzip_plus_normalization": True}, "kvzip kvzip_plus_normalization=True is not supported: KVzip+ weighs each "
@@ -164,11 +167,12 @@ def test_bad_hyperparameters_are_refused(params, match):
 
 def test_defaults_are_the_references():
     rule = rules.get("kvzip")
-    assert rule.params() == {"n_sink": 4, "kvzip_plus_normalization": False, "chunk_size": 2048}
+    assert rule.params() == {"n_sink": 4, "kvzip_plus_normalization": False, "chunk_size": 2048, "prefix_length": 0}
     assert rule.window == 2048 + 64
     from fxbudget.cli.rules_table import rules_table
 
-    assert "| `kvzip` |" in rules_table() and "n_sink=4, kvzip_plus_normalization=False, chunk_size=2048" in rules_table()
+    assert "| `kvzip` |" in rules_table()
+    assert "n_sink=4, kvzip_plus_normalization=False, chunk_size=2048, prefix_length=0" in rules_table()
 
 
 def test_refused_outside_its_protocol():
@@ -207,7 +211,7 @@ class _Tok:
     def __call__(self, text, return_tensors=None, add_special_tokens=False):
         return type("Enc", (), {"input_ids": torch.tensor([[ord(c) for c in text]])})()
 
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, enable_thinking=True):
         return f"<u>{messages[0]['content']}</u><a>"
 
 
@@ -226,6 +230,8 @@ def test_replay_ids_follow_the_reference(template):
 def test_compare_runs_the_protocol(tiny_dir, tmp_path):
     """`compare --rules full,snapkv,kvzip`: kvzip's rows ran the replay (its time part of the prefill), record the
     replay's window and the shared kernel fingerprint; at a covering budget kvzip answers as the reference."""
+    from transformers import AutoTokenizer
+
     from fxbudget.cli import main
     from fxbudget.harness.report import load_rows
 
@@ -239,6 +245,7 @@ def test_compare_runs_the_protocol(tiny_dir, tmp_path):
     assert big["replay_tokens"] == 0 and big["prediction"] == full["prediction"]
     assert big["answer_logprob"] == pytest.approx(full["answer_logprob"], abs=1e-4)
     assert small["window"] == 2112 and rows["snapkv", 48]["window"] == 32
+    assert small["rule_params"]["prefix_length"] == template_parts(AutoTokenizer.from_pretrained(tiny_dir))[0] > 0
     assert small["kernel_fingerprint"] == rows["snapkv", 48]["kernel_fingerprint"]
     assert small["kv_held_bytes"] == rows["snapkv", 48]["kv_held_bytes"]
 

@@ -41,7 +41,7 @@ from ..api import BudgetForward, frozen_runner, kernel_fingerprint
 from ..api import compile as fx_compile
 from ..backend import kernel_window
 from ..cache_arg import output_cache
-from ..kvzip_protocol import compress, replay_ids
+from ..kvzip_protocol import compress, replay_ids, template_parts
 from ..rules import get
 from . import results
 from .branch import branch, shared_prefill
@@ -324,6 +324,9 @@ class Runner:
                   shared_s) -> dict:
         g, model = self.grid, self.model
         rule = get(rule_name, **g.rule_params.get(rule_name, {}))
+        if getattr(rule, "replay_only", False) and "prefix_length" not in g.rule_params.get(rule_name, {}):
+            # kvzip: the template header is not replayed and scores 0; the reference reads it off the tokenizer
+            rule = get(rule_name, **g.rule_params.get(rule_name, {}), prefix_length=template_parts(self.tok)[0])
         fingerprint = self._fingerprint(rule)
         forward = self._forward(rule, budget)
         # With a shared prefill, the forward's own peak is recorded apart (`shared_prefill_peak_mem_bytes`); this one
@@ -339,7 +342,8 @@ class Runner:
                 if replay:  # the context prefill and its replay: both are prefill time
                     # One cache size per budget for the run (its compiled graphs serve every sample).
                     slots = max(self.max_context - budget, self.headroom)
-                    done = compress(model, prefill_ids, replay_ids(self.tok, prefill_ids), clock=Clock,
+                    ids = replay_ids(self.tok, prefill_ids, prefix_length=rule.prefix_length)
+                    done = compress(model, prefill_ids, ids, clock=Clock,
                                     cache=model.forward.new_cache(prefill_ids.shape[0], headroom=slots))
                     cache, logits = done.cache, done.logits
                 elif shared is not None:

@@ -20,8 +20,9 @@ every layer and KV head keeps `budget` entries (the budget contract shared by ev
 `layerwise` are not fields (the budget replaces them). The replay is one call: a context longer than `chunk_size` is
 refused, not replayed chunk by chunk (that needs a score carried across calls). The softmax of the replay is the
 model's own over every visible candidate: the reference renormalizes it over the sinks, the replayed chunk and the
-replay, which is the same set when the context has no chat-template header before it (one chunk); with a header, its
-tokens past the sinks are scored by the replay here, where the reference scores them 0. KVzip+ normalization
+replay, which is the same set when the context has no chat-template header before it (one chunk); with a header
+(`prefix_length` tokens: scored 0 past the sinks, as the reference) each replay query's softmax here also covers the
+header. KVzip+ normalization
 (1/||h|| per replay query and ||W_o v||_2 per query head, inside the max) needs signals the kernel does not measure:
 `kvzip_plus_normalization=True` is refused.
 """
@@ -50,10 +51,15 @@ class KVzip(Rule):
     n_sink: int = 4
     kvzip_plus_normalization: bool = False
     chunk_size: int = 2048
+    # Not a hyperparameter of the reference, which reads it from the tokenizer: the chat template's header tokens
+    # before the context (not replayed; past the sinks they score 0, as the reference leaves them). `compare` sets it
+    # from the model's tokenizer (`kvzip_protocol.template_parts`).
+    prefix_length: int = 0
 
     def __post_init__(self):
         check_int("kvzip n_sink", self.n_sink, 0)
         check_int("kvzip chunk_size", self.chunk_size)
+        check_int("kvzip prefix_length", self.prefix_length, 0)
         if not isinstance(self.kvzip_plus_normalization, bool):
             raise ValueError(f"kvzip kvzip_plus_normalization must be a bool, got {self.kvzip_plus_normalization!r}")
         if self.kvzip_plus_normalization:
@@ -71,7 +77,8 @@ class KVzip(Rule):
 
     def score(self, s: Signals) -> Tensor:
         # The call's own tokens (the replay) rank below every cached token: never kept while one is left.
-        return torch.where(self._is_slot(s), s.window_max_attn, float("-inf"))
+        score = torch.where(self._is_slot(s), s.window_max_attn, float("-inf"))
+        return torch.where((s.pos >= 0) & (s.pos < self.prefix_length), 0.0, score)
 
     def protect(self, s: Signals) -> Tensor:
         return (s.pos >= 0) & (s.pos < self.n_sink) & self._is_slot(s)
