@@ -101,7 +101,6 @@ def _explain(contexts: list, budget: int, n_sink: int = 4) -> dict:
     model = AutoModelForCausalLM.from_pretrained(default_cache_dir(), dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     kv = model.config.num_key_value_heads
-    g = model.config.num_attention_heads // kv
     prefix = template_parts(tok)[0]
     out = []
     for ctx_ids in contexts:
