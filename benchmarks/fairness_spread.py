@@ -59,9 +59,15 @@ def main() -> int:
         args.budget, args.chunk, args.reps = 256, 0, 20
     import fxbudget.rules as R
 
-    rules = args.rules.split(",") if args.rules else [r for r in R.available()
-                                                       if not getattr(R.get(r), "never_evicts", False)]
-    skipped = [r for r in R.available() if getattr(R.get(r), "never_evicts", False)]
+    # kvzip (replay_only) scores one replay call at a window of its own, not a decode step or a prefill chunk.
+    skip = {}
+    for r in R.available():
+        if getattr(R.get(r), "never_evicts", False):
+            skip[r] = "it never evicts"
+        elif getattr(R.get(r), "replay_only", False):
+            skip[r] = "it evicts only in its replay protocol"
+    rules = args.rules.split(",") if args.rules else [r for r in R.available() if r not in skip]
+    skipped = "; ".join(f"`{r}` skipped: {why}" for r, why in skip.items())
     info = env_info(args.device)
     phases = [("decode", 1)] + ([(f"prefill {args.chunk}", args.chunk)] if args.chunk else [])
     times, compile_s = {}, {}
@@ -82,7 +88,7 @@ def main() -> int:
               f"Inductor; {', '.join(f'{ph}: {len(times[ph][rules[0]])} interleaved rounds' for ph, _ in phases)}. "
               f"Times: median [interquartile range] over rounds. Ratios: median [interquartile range] of the per-round "
               f"ratio to the fastest rule (paired rounds, so drift between rounds cancels); a ratio whose range holds "
-              f"1.0 is **within noise**. `{'`, `'.join(skipped)}` skipped: it never evicts.", ""]
+              f"1.0 is **within noise**. {skipped}.", ""]
     quart = {ph: {rule: quartiles([1e6 * x for x in t]) for rule, t in times[ph].items()} for ph, _ in phases}
     fastest = {ph: min(quart[ph], key=lambda rule: quart[ph][rule][1]) for ph, _ in phases}
     ratio = {ph: {rule: paired_ratio(times[ph][rule], times[ph][fastest[ph]]) for rule in rules} for ph, _ in phases}
