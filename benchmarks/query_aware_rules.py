@@ -2,6 +2,8 @@
 
     OMP_NUM_THREADS=1 python benchmarks/query_aware_rules.py           # -> benchmarks/results/query_aware_rules.md
     OMP_NUM_THREADS=1 python benchmarks/query_aware_rules.py --quick   # one sample, three rules, printed only
+    OMP_NUM_THREADS=1 python benchmarks/query_aware_rules.py --rules full,snapkv,expected_attention,defensivekv \
+        --run-dir runs/query_aware_defensivekv --out benchmarks/results/query_aware_defensivekv.md
 
 One `fxbudget compare` run (a fresh process, timed as a user waits for it, model assembly included) on the demo's
 tasks and budgets (passkey and multi-key needle-in-a-haystack at ~1K tokens, four samples each, 12.5% and 25% of each
@@ -24,12 +26,19 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import ROOT, emit, env_info, header_lines, load_str  # noqa: E402
+from _common import ROOT, command_line, emit, env_info, header_lines, load_str  # noqa: E402
 
 RULES = ["full", "snapkv", "expected_attention", "observed_attention", "chunkkv", "lagkv", "cur", "leverage",
          "compactor", "keydiff"]
-ARGS = ["compare", "--tasks", "passkey,niah_multikey", "--lengths", "1000", "--rules", ",".join(RULES),
-        "--budgets", "12.5%,25%", "--samples", "4", "--protocol", "query-aware", "--param", "chunkkv.window=32"]
+
+
+def grid(rules: list[str]) -> list[str]:
+    """The compare arguments of the comparison for `rules` (chunkkv's window set to the run's when it is there)."""
+    return ["compare", "--tasks", "passkey,niah_multikey", "--lengths", "1000", "--rules", ",".join(rules),
+            "--budgets", "12.5%,25%", "--samples", "4", "--protocol", "query-aware",
+            *(["--param", "chunkkv.window=32"] if "chunkkv" in rules else [])]
+
+
 QUICK = ["compare", "--tasks", "passkey", "--lengths", "1000", "--rules", "full,snapkv,chunkkv", "--budgets", "12.5%",
          "--samples", "1", "--protocol", "query-aware", "--param", "chunkkv.window=32"]
 
@@ -38,10 +47,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 2)[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one sample, three rules, printed only")
+    p.add_argument("--rules", default=None, help=f"comma-separated (default {','.join(RULES)})")
     p.add_argument("--run-dir", default=None, help="the compare output folder (default runs/query_aware_rules)")
     p.add_argument("--out", default=None, help="the results file (default benchmarks/results/query_aware_rules.md)")
     a = p.parse_args()
-    args = QUICK if a.quick else ARGS
+    args = QUICK if a.quick else grid(a.rules.split(",") if a.rules else RULES)
     run_dir = Path(a.run_dir or ROOT / "runs" / ("query_aware_rules_quick" if a.quick else "query_aware_rules"))
     info = env_info("cpu")
     cmd = [sys.executable, "-m", "fxbudget.cli", *args, "--out", str(run_dir)]
@@ -51,7 +61,7 @@ def main() -> int:
     load_after = load_str()
     shown = "OMP_NUM_THREADS=1 fxbudget " + " ".join(args)
     lines = header_lines("Query-aware comparison of issue 23's rules beside snapkv and expected_attention", info,
-                         "OMP_NUM_THREADS=1 python benchmarks/query_aware_rules.py" + (" --quick" if a.quick else ""),
+                         command_line(),
                          load_after)
     lines += [f"- Grid: `{shown}`", f"- Wall time {wall_s:.1f} s (model assembly included; rerunning resumes, so a "
               f"resumed run's wall time covers only the rows it ran); load average {load_before} before, "

@@ -12,7 +12,8 @@ from fxbudget.rules.weighted import WEIGHTS, Weighted, builtin_points
 from conftest import tiny_model
 
 MIXED = dict(w_attn=0.3, w_window_attn=-0.2, w_last_attn=0.5, w_acc_attn=0.1, w_key_norm=-0.7, w_value_norm=0.4,
-             w_recency=0.6, w_mean_attn=0.2, w_key_diff=-0.3, n_sink=2, n_recent=5, pool=3)
+             w_recency=0.6, w_mean_attn=0.2, w_key_diff=-0.3, w_window_max_attn=0.25, w_wov_norm=-0.15, n_sink=2,
+             n_recent=5, pool=3)
 
 
 def _kept(model, ids, rule, budget, **params):
@@ -74,6 +75,25 @@ def test_empty_slots_do_not_enter_the_statistics(garbage):
                                                                                         torch.ones(()), atol=1e-5)
     # The pooled score of a token next to the empty slots in sequence order is its own neighbours' only.
     assert torch.allclose(rule.score(with_empty)[..., 5:], rule.score(alone), atol=1e-6)
+
+
+@pytest.mark.parametrize("weight, signal", [("w_window_max_attn", "window_max_attn"), ("w_wov_norm", "wov_norm")])
+def test_defensivekv_signals_are_terms(weight, signal):
+    """Issue 23's kernel signals are terms of the family: alone, each ranks the candidates as its signal does."""
+    s = _signals(12, 0, seed=3)
+    point = {**{w: 0.0 for w in WEIGHTS}, weight: 1.0, "pool": 1, "n_recent": 0}
+    order = Weighted(**point).score(s).argsort(-1)
+    assert torch.equal(order, getattr(s, signal).argsort(-1))
+    assert not torch.equal(order, s.key_norm.argsort(-1))  # the oracle can fail
+    assert Weighted(**point).needs_wo == (weight == "w_wov_norm")
+
+
+def test_zero_wov_weight_runs_without_wo():
+    """wov_norm is NaN where the model's W_o is unknown: a zero weight leaves it out (0 * NaN would be NaN)."""
+    s = _signals(12, 0)
+    s.wov_norm = torch.full_like(s.wov_norm, float("nan"))
+    assert not Weighted().needs_wo and torch.isfinite(Weighted(**{**MIXED, "w_wov_norm": 0.0}).score(s)).all()
+    assert torch.isnan(Weighted(**MIXED).score(s)).any()
 
 
 def test_formula_names_every_nonzero_term():

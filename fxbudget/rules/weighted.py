@@ -7,10 +7,14 @@ the mean, over the standard deviation; empty slots and pads, `pos < 0`, take no 
     score = w_attn * z(log attn) + w_window_attn * z(log window_attn) + w_last_attn * z(log last_attn)
           + w_acc_attn * z(log acc_attn) + w_key_norm * z(key_norm) + w_value_norm * z(value_norm)
           + w_recency * z(-log(step - pos)) + w_mean_attn * z(log mean_attn) + w_key_diff * z(key_diff)
+          + w_window_max_attn * z(log window_max_attn) + w_wov_norm * z(wov_norm)
 
 then, if `pool > 1`, max-pooled over `pool` neighbouring positions in sequence order (snapkv's pooling, applied to
 the whole score); `mean_attn` is `observed_attention`'s score (attention over the number of the call's queries that
-see the candidate) and `key_diff` `keydiff`'s (minus the cosine to the mean normalized key); the first `n_sink`
+see the candidate) and `key_diff` `keydiff`'s (minus the cosine to the mean normalized key); `window_max_attn` and
+`wov_norm` are the kernel's signals that defensivekv reads (a nonzero `w_wov_norm` needs the model's W_o, as
+defensivekv does; a zero weight's feature is never computed into the score, so models without W_o run the rest); the
+first `n_sink`
 positions and the `n_recent` most recent ones are always kept. Attention
 signals enter as logs: they span orders of magnitude (a sink takes most of the mass), and a z-score of the raw values
 would be the sink's alone. Weights have no scale (the ranking ignores a positive factor); a feature constant over a
@@ -35,8 +39,9 @@ from .keydiff import KeyDiff
 from .observed_attention import ObservedAttention
 
 WEIGHTS = ("w_attn", "w_window_attn", "w_last_attn", "w_acc_attn", "w_key_norm", "w_value_norm", "w_recency",
-           "w_mean_attn", "w_key_diff")
-_LOG = ("attn", "window_attn", "last_attn", "acc_attn", "mean_attn")  # signals that enter as logs
+           "w_mean_attn", "w_key_diff", "w_window_max_attn", "w_wov_norm")
+# Signals that enter as logs; the kernel's signals first, then `mean_attn` (observed_attention's score).
+_LOG = ("attn", "window_attn", "last_attn", "acc_attn", "window_max_attn", "mean_attn")
 
 
 def builtin_points(budget: int, window: int = 32) -> dict[str, dict]:
@@ -82,6 +87,8 @@ class Weighted(Rule):
     w_recency: float = 0.0
     w_mean_attn: float = 0.0
     w_key_diff: float = 0.0
+    w_window_max_attn: float = 0.0
+    w_wov_norm: float = 0.0
     n_sink: int = 0
     n_recent: int = 32
     pool: int = 7
@@ -92,6 +99,11 @@ class Weighted(Rule):
         if isinstance(self.pool, bool) or not isinstance(self.pool, int) or self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"{self.name} pool must be a positive odd int, got {self.pool!r}")
 
+    @property
+    def needs_wo(self) -> bool:
+        """Only a nonzero `w_wov_norm` reads W_o (wov_norm is NaN where the model's W_o is unknown)."""
+        return bool(self.w_wov_norm)
+
     def features(self, s: Signals) -> dict[str, Tensor]:
         """The normalized features, by weight name (`z` of each term of the formula)."""
         valid = s.pos >= 0
@@ -100,13 +112,14 @@ class Weighted(Rule):
         raw = {f"w_{n}": torch.log(getattr(s, n).clamp_min(tiny)) for n in _LOG[:-1]}
         raw["w_mean_attn"] = torch.log(ObservedAttention().score(s).clamp_min(tiny))
         raw["w_key_diff"] = KeyDiff().score(s)
-        raw["w_key_norm"], raw["w_value_norm"] = s.key_norm, s.value_norm
+        raw["w_key_norm"], raw["w_value_norm"], raw["w_wov_norm"] = s.key_norm, s.value_norm, s.wov_norm
         raw["w_recency"] = -torch.log((s.step - s.pos).clamp_min(1).to(s.attn.dtype))
         return {name: _z(x.to(s.attn.dtype), valid, count) for name, x in raw.items()}
 
     def score(self, s: Signals) -> Tensor:
         feats = self.features(s)
-        score = sum(getattr(self, w) * feats[w] for w in WEIGHTS)
+        # Zero weights are left out, not multiplied: 0 * NaN (wov_norm without W_o) would poison the score.
+        score = sum((getattr(self, w) * feats[w] for w in WEIGHTS if getattr(self, w)), torch.zeros_like(s.attn))
         if self.pool == 1:
             return score
         # Empty slots and pads must not lend their score to a neighbour: -inf before the max pool.

@@ -28,7 +28,9 @@ def _class_name(name: str) -> str:
 def write_rule_file(path: Path, config: SearchConfig, trial, n_trials: int, model_name: str, command: str) -> Path:
     """Write the best trial as a rule file: a `Weighted` subclass registered as `config.name`, whose field defaults
     are the fitted values and whose docstring says how, on what and when it was found."""
-    params = {k: trial.params[k] for k in (*WEIGHTS, "n_sink", "n_recent", "pool")}
+    # A weight added to the family after a resumed study's older trials is 0 there (the family without it).
+    known = Weighted.__dataclass_fields__
+    params = {**{w: 0.0 for w in WEIGHTS}, **{k: v for k, v in trial.params.items() if k in known}}
     rule = Weighted(**params)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     calib = ", ".join(config.tasks) + f" at {', '.join(map(str, config.lengths))} tokens"
@@ -174,7 +176,7 @@ def summary_markdown(res: SearchResult, note: str | None = None, wall_s: float |
               "| trial | objective | " + " | ".join(WEIGHTS + ("n_sink", "n_recent", "pool")) + " | seeded from |",
               "|---" * (len(WEIGHTS) + 6) + "|"]
     for t in sorted(trials, key=lambda t: -t.value)[:10]:
-        vals = " | ".join(f"{t.params[w]:+.3f}" for w in WEIGHTS)
+        vals = " | ".join(f"{t.params.get(w, 0.0):+.3f}" for w in WEIGHTS)
         parts.append(f"| #{t.number} | {t.value:.4f} | {vals} | {t.params['n_sink']} | {t.params['n_recent']} | "
                      f"{t.params['pool']} | {t.user_attrs.get('seeded_from', '')} |")
     return "\n".join(parts) + "\n"
