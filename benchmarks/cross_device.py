@@ -62,9 +62,10 @@ TIE = 1e-6  # relative cut margin below which a head's choice counts as a near-t
 def _recorder_class():
     """`_ScoreRecorder`, built lazily so `compare` never imports torch or fxbudget."""
     from fxbudget.rules import Rule
+    from fxbudget.rules.wrapper import Wrapper
 
     @dataclass
-    class _ScoreRecorder(Rule):
+    class _ScoreRecorder(Wrapper):
         """Runs `rule` unchanged and, while `active`, records each call's score, protect mask and positions (one
         record per budgeted layer, in call order). Per-layer budgets, window and RoPE needs are the rule's."""
 
@@ -73,10 +74,7 @@ def _recorder_class():
         records: list = field(default_factory=list, repr=False)
 
         def __post_init__(self):
-            self.name = self.rule.name
-            self.window = getattr(self.rule, "window", None)
-            self.needs_rope = self.rule.needs_rope
-            self.never_evicts = self.rule.never_evicts
+            self.name = self.rule.name  # every capability is the rule's (`Wrapper`)
 
         def score(self, s):
             out = self.rule.score(s)
@@ -90,9 +88,6 @@ def _recorder_class():
             if self.active and p is not None:
                 self.records[-1]["protect"] = p.clone()
             return p
-
-        def layer_budgets(self, budget, n_layers, prompt=None):
-            return self.rule.layer_budgets(budget, n_layers, prompt=prompt)
 
     return _ScoreRecorder
 
@@ -270,7 +265,7 @@ def dump(model, tokenizer, model_name: str, *, device: str, dtype: str, backend:
     from fxbudget.rules import available, get
 
     # Replay rules (kvzip) evict only in their own protocol, not in plain generation.
-    rules = list(rules or [r for r in available() if r != "full" and not getattr(get(r), "replay_only", False)])
+    rules = list(rules or [r for r in available() if r != "full" and not get(r).replay_only])
     model = model.to(device=device, dtype=getattr(torch, dtype)).eval()
     env = env_info(device)
     env.update(dtype=dtype, backend=backend, transformers=transformers.__version__, fxbudget_commit=_git_commit(),

@@ -64,7 +64,7 @@ def main() -> int:
     for r in R.available():
         if getattr(R.get(r), "never_evicts", False):
             skip[r] = "it never evicts"
-        elif getattr(R.get(r), "replay_only", False):
+        elif R.get(r).replay_only:
             skip[r] = "it evicts only in its replay protocol"
     rules = args.rules.split(",") if args.rules else [r for r in R.available() if r not in skip]
     skipped = "; ".join(f"`{r}` skipped: {why}" for r, why in skip.items())

@@ -22,11 +22,11 @@ def kernel_window(rule: Rule) -> int:
     Raises:
         ValueError: for a window that is not an int >= 1 (0 used to fall back to the default silently).
     """
-    window = getattr(rule, "window", None)
+    window = rule.window
     if window is None:
         return DEFAULT_WINDOW
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"rule {getattr(rule, 'name', '') or type(rule).__name__!r}: window must be an int >= 1, "
+        raise ValueError(f"rule {rule.name or type(rule).__name__!r}: window must be an int >= 1, "
                          f"got {window!r}")
     return window
 

@@ -245,7 +245,7 @@ class BudgetForward:
             raise ValueError("a budget-compiled model always uses its cache; do not pass use_cache=False")
         batch, n = x.shape[0], x.shape[1]
         cache = self._resolve_cache(cache, batch, n)
-        if getattr(self.rule, "replay_only", False) and not cache._frozen and not self.replaying:
+        if self.rule.replay_only and not cache._frozen and not self.replaying:
             raise ValueError(f"rule {self.rule.name!r} scores a replay of the context and evicts only in its protocol: "
                              f"use fxbudget.kvzip_protocol.compress(model, context_ids, replay_ids) to compress a "
                              f"context (calls under cache.frozen() are allowed), not plain generation")

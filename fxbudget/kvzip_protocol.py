@@ -117,7 +117,7 @@ def compress(model: nn.Module, context_ids: Tensor, replay: Tensor, *, headroom:
         RuntimeError: a replay token was kept (a broken kernel invariant; never silently).
     """
     fwd = model.forward
-    if not isinstance(fwd, BudgetForward) or not getattr(fwd.rule, "replay_only", False):
+    if not isinstance(fwd, BudgetForward) or not fwd.rule.replay_only:
         raise ValueError("kvzip_protocol.compress needs a model compiled by fxbudget.compile(model, rule='kvzip', "
                          "budget=...)")
     rule, budget = fwd.rule, fwd.budget

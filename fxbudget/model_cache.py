@@ -26,7 +26,7 @@ def resolve_head_pool(rule: Rule, head_pool: bool | None) -> bool:
     if head_pool is not None and not isinstance(head_pool, bool):
         raise ValueError(f"head_pool must be True, False or None (pooled iff the rule is head-adaptive), "
                          f"got {head_pool!r}")
-    adaptive = bool(getattr(rule, "head_adaptive", False))
+    adaptive = rule.head_adaptive
     if head_pool is False and adaptive:
         raise ValueError(f"rule {rule.name!r} spreads the budget over heads and needs the head-pooled cache layout: "
                          "pass head_pool=True or None")
@@ -36,9 +36,7 @@ def resolve_head_pool(rule: Rule, head_pool: bool | None) -> bool:
 def check_rule_budget(rule: Rule, budget: int, config, prompt: int | None = None) -> None:
     """A head-adaptive rule's check of its layer budgets against the tokens it protects per head (no-op for the
     others): before any model work."""
-    check = getattr(rule, "check_budget", None)
-    if check is not None:
-        check(layer_budgets(rule, budget, config, prompt) or [budget])
+    rule.check_budget(layer_budgets(rule, budget, config, prompt) or [budget])
 
 
 def layer_devices(model: nn.Module) -> list[torch.device]:

@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from .kernel import SIGNAL_NAMES, evict, measure, rule_region
-from .rules.adakv import allocation_floor
 from .rules.base import Rule
 
 
@@ -86,13 +85,13 @@ def attend_pooled(q: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor
                   totals: Tensor, k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, wo: Tensor,
                   owner: Tensor | None, *, rule: Rule, budget: int, keep: int, sliding: int, window: int,
                   scale: float | None, block: int | None) -> Tensor:
-    """`kernel.budget_attention(pooled=True)`: the three pooled phases in order (arguments as there)."""
+    """`budget_attention(pooled=True)` (`fxbudget.budget_attention`): the three pooled phases in order (arguments as there)."""
     if owner is None:
         raise ValueError("budget_attention(pooled=True) needs the slots' owner tensor")
     out, new_totals, *signals = measure_pooled(q, k_slots, v_slots, pos_slots, state, norms, k_new, v_new, new_pos,
                                                inv_freq, wo, owner, window=window, sliding=sliding, scale=scale,
                                                block=block)
-    score = rule_region(rule, budget, min(window, k_new.shape[2]), *signals, floor=allocation_floor(rule, budget))
+    score = rule_region(rule, budget, min(window, k_new.shape[2]), *signals, floor=rule.head_floor(budget))
     sig = dict(zip(SIGNAL_NAMES, signals))
     evict_pooled(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], sig["wov_norm"], new_totals,
                  k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, owner, keep=keep)

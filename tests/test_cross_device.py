@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from fxbudget.rules import available, get
+from fxbudget.rules import get, plain_generation_rules
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))  # the script imports its sibling _common
 xd = importlib.import_module("cross_device")
 
 # kvzip evicts only in its replay protocol (tests/test_kvzip.py)
-RULES = [r for r in available() if r != "full" and not getattr(get(r), "replay_only", False)]
+RULES = plain_generation_rules()
 SMALL = ["--lengths", "300", "--budgets", "48,96", "--steps", "4"]
 
 

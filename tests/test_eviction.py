@@ -7,8 +7,7 @@ import fxbudget
 from conftest import fresh, greedy, tiny_model
 
 # `full` never evicts: tested below; kvzip evicts only in its replay protocol (tests/test_kvzip.py)
-RULES = [r for r in fxbudget.rules.available()
-         if r != "full" and not getattr(fxbudget.rules.get(r), "replay_only", False)]
+RULES = fxbudget.rules.plain_generation_rules()
 PARAMS = {"pyramidkv": {"window": 4}}  # small budgets need a small observation window
 
 

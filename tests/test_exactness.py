@@ -8,7 +8,7 @@ from conftest import fresh, greedy, tiny_model
 from fxbudget.cache_arg import output_cache
 
 # kvzip evicts only in its replay protocol: its covering budget is tested in tests/test_kvzip.py
-RULES = [r for r in fxbudget.rules.available() if not getattr(fxbudget.rules.get(r), "replay_only", False)]
+RULES = [r for r in fxbudget.rules.available() if not fxbudget.rules.get(r).replay_only]
 STEPS = 20
 
 

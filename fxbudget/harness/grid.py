@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
@@ -26,7 +26,7 @@ LAYOUTS = ("slots", "head-pool")
 
 def allocation(rule) -> str:
     """`adakv` for a head-adaptive rule instance, else `uniform`."""
-    return "adakv" if getattr(rule, "head_adaptive", False) else "uniform"
+    return "adakv" if rule.head_adaptive else "uniform"
 
 
 def budget_fraction(spec: int | str) -> float | None:
@@ -105,7 +105,7 @@ class Grid:
         made = {r: get(r, **self.rule_params.get(r, {})) for r in self.rules if r != REFERENCE}  # raises, listing
         # A replay rule (kvzip) runs its own protocol, whose window is the whole replay call: it decides nothing in
         # the other rules' calls, so it is exempt from the shared window (its rows record it).
-        replayed = [r for r, rule in made.items() if getattr(rule, "replay_only", False)]
+        replayed = [r for r, rule in made.items() if rule.replay_only]
         if replayed and self.protocols != ["query-agnostic"]:
             raise ValueError(f"{', '.join(replayed)} runs its own replay protocol, a query-agnostic one: run it with "
                              f"--protocol query-agnostic only, got {','.join(self.protocols)}")
@@ -122,9 +122,8 @@ class Grid:
             raise ValueError("budgets must not be empty")
         kinds = {budget_fraction(b) is None for b in self.budgets}  # raises on a malformed budget
         for r in self.rules:  # e.g. AdaKV: an absolute budget below the tokens its rule protects in every head
-            check = getattr(get(r, **self.rule_params.get(r, {})), "check_budget", None) if r != REFERENCE else None
-            if check is not None and kinds == {True}:
-                check(list(self.budgets))
+            if r != REFERENCE and kinds == {True}:
+                get(r, **self.rule_params.get(r, {})).check_budget(list(self.budgets))
         if len(kinds) > 1:
             raise ValueError(f"budgets {self.budgets} mix absolute (KV entries) and relative (% of the context) "
                              "budgets: use one kind per run (`fxbudget report` merges runs)")
@@ -213,15 +212,8 @@ def check_rule_params(rules: list[str], params: dict[str, dict]) -> None:
 
 
 def rule_fields(rule: str) -> list[str] | None:
-    """The hyperparameter names of a rule name, None if it names no rule. `adakv:<rule>` has AdaKV's own (`alpha`)
-    and the wrapped rule's: `--param adakv:snapkv.window=64` reaches snapkv, `...alpha=0.1` AdaKV (ADAKV.md)."""
-    from .. import rules
+    """The hyperparameter names of a rule name, None if it names no rule (`fxbudget.rules.rule_fields`: a wrapper
+    form such as `adakv:snapkv` has the wrapper's own, `alpha`, and the wrapped rule's)."""
+    from ..rules import rule_fields as fields_of
 
-    if rule in rules._REGISTRY:
-        return [f.name for f in fields(rules._REGISTRY[rule]) if not f.name.startswith("_")]
-    wrapper, sep, inner = rule.partition(":")
-    ada = getattr(rules, "AdaKV", None)
-    if not sep or wrapper != "adakv" or ada is None or inner not in rules._REGISTRY:
-        return None
-    own = [f.name for f in fields(ada) if f.name != "rule" and not f.name.startswith("_")]
-    return own + [n for n in rule_fields(inner) if n not in own]
+    return fields_of(rule)

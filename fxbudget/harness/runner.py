@@ -267,7 +267,7 @@ class Runner:
                 continue
             prefill_ids = torch.cat([ctx, question], dim=1) if aware else ctx
             shared, shared_s, shared_peak = None, None, None
-            if g.shares_prefill and any(rule != REFERENCE and not getattr(get(rule), "replay_only", False)
+            if g.shares_prefill and any(rule != REFERENCE and not get(rule).replay_only
                                         for _, rule, _ in group):
                 peak = Peak(prefill_ids.device)
                 with Clock() as c:
@@ -324,7 +324,7 @@ class Runner:
                   shared_s) -> dict:
         g, model = self.grid, self.model
         rule = get(rule_name, **g.rule_params.get(rule_name, {}))
-        if getattr(rule, "replay_only", False) and "prefix_length" not in g.rule_params.get(rule_name, {}):
+        if rule.replay_only and "prefix_length" not in g.rule_params.get(rule_name, {}):
             # kvzip: the template header is not replayed and scores 0; the reference reads it off the tokenizer
             rule = get(rule_name, **g.rule_params.get(rule_name, {}), prefix_length=template_parts(self.tok)[0])
         fingerprint = self._fingerprint(rule)
@@ -332,7 +332,7 @@ class Runner:
         # With a shared prefill, the forward's own peak is recorded apart (`shared_prefill_peak_mem_bytes`); this one
         # covers the branch and decode (the recorded prefill is still held).
         peak = Peak(prefill_ids.device)
-        replay = getattr(rule, "replay_only", False)  # kvzip: its own protocol (query-agnostic, checked by the grid)
+        replay = rule.replay_only  # kvzip: its own protocol (query-agnostic, checked by the grid)
         shared = None if replay else shared
         done = None
         try:

@@ -29,7 +29,6 @@ from ..cache import MARKER_TENSORS  # importing cache also registers the marker 
 from ..marker import NoBudgetAttentionError
 from ..kernel import DEFAULT_BLOCK, SIGNAL_NAMES, evict, measure, rule_region
 from ..pool import evict_pooled, measure_pooled
-from ..rules.adakv import allocation_floor
 from ..rule_contract import RuleContractError, rule_name, storage_id, written_args
 from ..rules.base import Rule
 from ..sdpa_args import bind, check
@@ -256,7 +255,7 @@ def _trace_phases(fake: dict, rule: Rule, *, budget: int, keep: int, sliding: in
     phase1 = functools.partial(measure_pooled if pooled else measure, window=window, sliding=sliding, scale=scale,
                                block=block, traced=True)
     # Pooled, the allocation step is part of the rule region (so uniform and adaptive runs share one fingerprint).
-    phase2 = functools.partial(rule_region, rule, budget, w, floor=allocation_floor(rule, budget)) if pooled \
+    phase2 = functools.partial(rule_region, rule, budget, w, floor=rule.head_floor(budget)) if pooled \
         else functools.partial(rule_region, rule, budget, w)
     phase3 = functools.partial(evict_pooled if pooled else evict, keep=keep)
     measure_args, evict_args = phase_args(pooled)

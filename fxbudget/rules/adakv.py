@@ -15,29 +15,16 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from torch import Tensor
-
-from .base import Rule, Signals
+from .base import Rule
+from .registry import register_wrapper
 from .snapkv import SnapKV
+from .wrapper import Wrapper
 
 PREFIX = "adakv:"
 
 
-def protected_per_head(rule: Rule, budget: int) -> int:
-    """The candidates `rule.protect` marks in a full head, as far as its fields say: a recent window (snapkv and its
-    subclasses), `n_sink` sink tokens, `n_recent` recent tokens; h2o's recent share is a fraction of the budget."""
-    n = rule.window if isinstance(rule, SnapKV) else 0
-    for name in ("n_sink", "n_recent"):
-        value = getattr(rule, name, 0)
-        n += value if isinstance(value, int) and not isinstance(value, bool) else 0
-    ratio = getattr(rule, "recent_ratio", None)
-    if isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
-        n += int(budget * ratio)
-    return n
-
-
 @dataclass
-class AdaKV(Rule):
+class AdaKV(Wrapper):
     """Any rule's scores, the layer's budget spread over its KV heads (safeguard `alpha`, then a global top-k)."""
 
     rule: Rule = field(default_factory=SnapKV)
@@ -45,8 +32,7 @@ class AdaKV(Rule):
     head_adaptive: ClassVar[bool] = True
 
     def __post_init__(self):
-        if not isinstance(self.rule, Rule):
-            raise TypeError(f"AdaKV wraps a fxbudget.rules.Rule, got {type(self.rule).__name__}")
+        self._check_wrapped()
         self.name = PREFIX + (self.rule.name or type(self.rule).__name__)
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or math.isnan(self.alpha) \
                 or not 0 <= self.alpha <= 1:
@@ -54,43 +40,29 @@ class AdaKV(Rule):
         if self.rule.never_evicts:
             raise ValueError(f"rule {self.name!r}: {self.rule.name!r} never evicts, so there is no budget to "
                              "allocate over heads")
-        if getattr(self.rule, "head_adaptive", False):
+        if self.rule.head_adaptive:
             raise ValueError(f"rule {self.name!r}: the wrapped rule is already head-adaptive")
-        self.window = getattr(self.rule, "window", None)
-        self.needs_rope = self.rule.needs_rope
-        self.needs_wo = self.rule.needs_wo
 
-    def floor(self, budget: int) -> int:
+    def head_floor(self, budget: int) -> int:
         """Entries each head keeps whatever the other heads score: `int(alpha * budget)` (kvpress's `n_safe`)."""
         return int(self.alpha * budget)
 
     def check_budget(self, budgets: list[int]) -> None:
         """Refuse layer budgets below the tokens the wrapped rule protects in every head (the global top-k would
-        then have to drop protected tokens, tied at +inf, of some heads).
+        then have to drop protected tokens, tied at +inf, of some heads); then the wrapped rule's own check.
 
         Raises:
             ValueError: naming the rule and the budget.
         """
         for b in budgets:
-            need = protected_per_head(self.rule, b)
+            need = self.rule.protected_per_head(b)
             if b < need:
                 raise ValueError(f"rule {self.name!r}: budget {b} is below the {need} tokens {self.rule.name!r} "
                                  "protects in every head (its window/sinks); raise the budget or shrink the window")
-
-    def score(self, s: Signals) -> Tensor:
-        return self.rule.score(s)
-
-    def protect(self, s: Signals) -> Tensor | None:
-        return self.rule.protect(s)
-
-    def layer_budgets(self, budget: int, n_layers: int, prompt: int | None = None) -> list[int] | None:
-        return self.rule.layer_budgets(budget, n_layers, prompt=prompt)
+        self.rule.check_budget(budgets)
 
     def params(self) -> dict:
         return {"alpha": self.alpha, **self.rule.params()}
 
 
-def allocation_floor(rule: Rule, budget: int) -> int:
-    """The per-head floor of the pooled layout's allocation step: `rule.floor(budget)` for a head-adaptive rule, the
-    whole `budget` for a uniform one (every head keeps its own top `budget`: uniform allocation, exactly)."""
-    return rule.floor(budget) if getattr(rule, "head_adaptive", False) else budget
+register_wrapper(PREFIX, AdaKV, ("alpha",))

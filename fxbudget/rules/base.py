@@ -14,6 +14,30 @@ import torch
 from torch import Tensor
 
 
+def rotate_half(x: Tensor, rot: int | None = None) -> Tensor:
+    """transformers' `rotate_half` on the first `rot` dims (all by default); the other dims, which partial rotary
+    leaves unrotated, map to zero."""
+    rot = x.shape[-1] if rot is None else rot
+    a, b = x[..., :rot].chunk(2, dim=-1)
+    return torch.cat([-b, a, torch.zeros_like(x[..., rot:])], dim=-1)
+
+
+def rope_cos_sin(theta: Tensor, d: int) -> tuple[Tensor, Tensor]:
+    """cos and sin of RoPE angles `[..., r/2]` laid out over `d` dims as transformers applies them: the first `r`
+    dims rotated (angles repeated for both halves), the rest unrotated (cos 1, sin 0)."""
+    pad = d - 2 * theta.shape[-1]
+    cos, sin = (torch.cat([f(theta)] * 2, dim=-1) for f in (torch.cos, torch.sin))
+    return (torch.cat([cos, cos.new_ones(*cos.shape[:-1], pad)], dim=-1),
+            torch.cat([sin, sin.new_zeros(*sin.shape[:-1], pad)], dim=-1))
+
+
+def unrotate(x: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
+    """Undo RoPE on `x` `[..., n, d]` rotated at positions `pos` (broadcastable to `[..., n]`) with frequencies
+    `inv_freq` `[r/2]`: the first `r` dims rotated, the rest left as they are (partial rotary). In `x`'s dtype."""
+    cos, sin = rope_cos_sin(pos.to(x.dtype).unsqueeze(-1) * inv_freq.to(x.dtype), x.shape[-1])
+    return x * cos - rotate_half(x, 2 * inv_freq.shape[-1]) * sin
+
+
 @dataclass
 class Signals:
     """Per-candidate measurements of one attention call, for one layer.
@@ -83,13 +107,12 @@ class Signals:
 
     def prerope_keys(self) -> Tensor:
         """Candidate keys before RoPE, `[batch, kv_heads, C, head_dim]` in float32 (float64 for float64 inputs): the
-        cached keys rotated back by their own positions with `inv_freq` (default RoPE, half-split layout: a rule
-        that calls it sets `needs_rope`). Empty slots (position -1) come back meaningless, like their other signals."""
+        cached keys rotated back by their own positions with `inv_freq` (half-split layout; with partial rotary only
+        the first `2 * len(inv_freq)` dims are rotated, the rest come back as they are; a NoPE layer's `inv_freq` is
+        zeros: no rotation). A rule that calls it sets `needs_rope`. Empty slots (position -1) come back
+        meaningless, like their other signals."""
         keys = self.keys.to(torch.promote_types(self.k_slots.dtype, torch.float32))
-        theta = self.pos.to(keys.dtype).unsqueeze(-1) * self.inv_freq.to(keys.dtype)  # [b, h, C, d/2]
-        cos, sin = (torch.cat([f(theta)] * 2, dim=-1) for f in (torch.cos, torch.sin))
-        a, b = keys.chunk(2, dim=-1)
-        return keys * cos - torch.cat([-b, a], dim=-1) * sin
+        return unrotate(keys, self.pos, self.inv_freq)
 
     @functools.cached_property
     def order(self) -> Tensor:
@@ -114,17 +137,36 @@ class Rule:
     """Base class of eviction rules. Subclasses are dataclasses whose fields are the hyperparameters.
 
     Override `score` (higher = keep) and, if the rule protects tokens unconditionally (sinks, a recent window),
-    `protect`. `window` is the observation window the rule wants from the kernel (None = the kernel default); a run
-    compares rules only at one window (DESIGN §4).
+    `protect` and `protected_per_head` (how many it protects in a full head). `window` is the observation window the
+    rule wants from the kernel (None = the kernel default); a run compares rules only at one window (DESIGN §4).
+
+    Capabilities are declared here, once, with their defaults; every caller reads them as plain attributes and a
+    wrapper (`fxbudget.rules.wrapper.Wrapper`) answers with the wrapped rule's.
     """
 
     name: ClassVar[str] = ""
     window: int | None = None
     never_evicts: ClassVar[bool] = False  # True for `full`: a call that would overflow the budget is an error
     needs_rope: ClassVar[bool] = False  # True if `score` reads `inv_freq`: models without default RoPE are refused
+    needs_wo: ClassVar[bool] = False  # True if `score` reads `wov_norm`: models whose W_o is not found are refused
     # True for rules that spread a layer's budget over its KV heads (`AdaKV`): they run on the head-pooled layout.
     head_adaptive: ClassVar[bool] = False
-    needs_wo: ClassVar[bool] = False  # True if `score` reads `wov_norm`: models whose W_o is not found are refused
+    # True for rules that evict only in their own replay protocol (`kvzip`, `fxbudget.kvzip_protocol`): an evicting
+    # call of plain generation is refused.
+    replay_only: ClassVar[bool] = False
+
+    def protected_per_head(self, budget: int) -> int:
+        """How many candidates `protect` marks in a full head at `budget` (sinks, a recent window): a head-adaptive
+        allocation refuses a budget below it (the heads' protected tokens must all fit)."""
+        return 0
+
+    def head_floor(self, budget: int) -> int:
+        """Entries each KV head keeps on the head-pooled layout whatever the other heads score: the whole `budget`
+        (uniform allocation: the unpooled layout's kept sets), less for a head-adaptive rule (`AdaKV`)."""
+        return budget
+
+    def check_budget(self, budgets: list[int]) -> None:
+        """Refuse layer budgets this rule cannot run at (before any model work); the default accepts any."""
 
     def layer_budgets(self, budget: int, n_layers: int, prompt: int | None = None) -> list[int] | None:
         """Per-layer budgets for the `n_layers` budgeted layers (None = `budget` for all); must sum to

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import check_int
-from . import register
+from .registry import register
 from .base import Rule, Signals
 from .leverage import layer_zscore, leverage_scores
 
@@ -103,3 +103,6 @@ class Compactor(Rule):
 
     def protect(self, s: Signals) -> Tensor:
         return self._ends(s)
+
+    def protected_per_head(self, budget: int) -> int:
+        return self.sink_size_start + self.sink_size_end  # both ends

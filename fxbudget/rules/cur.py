@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..checks import check_int
-from . import register
+from .registry import register
 from .base import Rule, Signals
 from .random import gaussian_sketch
 from .segments import Segments

@@ -21,32 +21,15 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from . import register
-from .base import Rule, Signals
-
-
-def _rotate_half(x: Tensor, rot: int | None = None) -> Tensor:
-    """transformers' `rotate_half` on the first `rot` dims (all by default); the other dims, which partial rotary
-    leaves unrotated, map to zero."""
-    rot = x.shape[-1] if rot is None else rot
-    a, b = x[..., :rot].chunk(2, dim=-1)
-    return torch.cat([-b, a, torch.zeros_like(x[..., rot:])], dim=-1)
-
-
-def _cos_sin(theta: Tensor, d: int) -> tuple[Tensor, Tensor]:
-    """cos and sin of RoPE angles `[..., r/2]` laid out over `d` dims as transformers applies them: the first `r`
-    dims rotated (angles repeated for both halves), the rest unrotated (cos 1, sin 0)."""
-    pad = d - 2 * theta.shape[-1]
-    cos, sin = (torch.cat([f(theta)] * 2, dim=-1) for f in (torch.cos, torch.sin))
-    return (torch.cat([cos, cos.new_ones(*cos.shape[:-1], pad)], dim=-1),
-            torch.cat([sin, sin.new_zeros(*sin.shape[:-1], pad)], dim=-1))
+from .registry import register
+from .base import Rule, Signals, rope_cos_sin, rotate_half
 
 
 def unrotate(q: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
     """Undo RoPE on queries `[..., n, d]` rotated at positions `pos` (broadcastable to `[..., n]`) with frequencies
     `inv_freq` `[r/2]`: the first `r` dims rotated, the rest left as they are (partial rotary)."""
-    cos, sin = _cos_sin(pos.float().unsqueeze(-1) * inv_freq.float(), q.shape[-1])
-    return q * cos - _rotate_half(q, 2 * inv_freq.shape[-1]) * sin
+    cos, sin = rope_cos_sin(pos.float().unsqueeze(-1) * inv_freq.float(), q.shape[-1])
+    return q * cos - rotate_half(q, 2 * inv_freq.shape[-1]) * sin
 
 
 @register("expected_attention")
@@ -76,9 +59,9 @@ class ExpectedAttention(Rule):
         # The RoPE rotation averaged over the next positions: R = diag(cos) + diag(sin) P, with P x = rotate_half(x).
         future = s.step.view(b, 1) + torch.arange(self.n_future_positions, device=q.device)
         phi = future.float().unsqueeze(-1) * s.inv_freq.float()  # [b, future, r/2]
-        c, sn = (t.mean(1) for t in _cos_sin(phi, d))  # [b, d]; unrotated dims: cos 1, sin 0
+        c, sn = (t.mean(1) for t in rope_cos_sin(phi, d))  # [b, d]; unrotated dims: cos 1, sin 0
         eye = torch.eye(d, device=q.device)
-        R = (c.unsqueeze(-1) * eye + sn.unsqueeze(-1) * _rotate_half(eye, rot).T).unsqueeze(1)  # [b, 1, d, d]
+        R = (c.unsqueeze(-1) * eye + sn.unsqueeze(-1) * rotate_half(eye, rot).T).unsqueeze(1)  # [b, 1, d, d]
         mu = mu @ R.transpose(-1, -2)
         keys = s.keys.float()  # [b, h, C, d]
         z = torch.einsum("bhgd,bhcd->bhgc", mu, keys) / math.sqrt(d)
@@ -99,3 +82,6 @@ class ExpectedAttention(Rule):
 
     def protect(self, s: Signals) -> Tensor:
         return (s.pos >= 0) & (s.pos < self.n_sink)
+
+    def protected_per_head(self, budget: int) -> int:
+        return self.n_sink  # the sinks

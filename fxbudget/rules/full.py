@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from . import register
+from .registry import register
 from .base import Rule, Signals
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from . import register
+from .registry import register
 from .base import Rule, Signals, recent
 
 
@@ -24,3 +24,6 @@ class H2O(Rule):
 
     def protect(self, s: Signals) -> Tensor:
         return recent(s, int(s.budget * self.recent_ratio))
+
+    def protected_per_head(self, budget: int) -> int:
+        return int(budget * self.recent_ratio)  # the recent share

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import register
+from .registry import register
 from .base import Rule, Signals
 
 

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from ..checks import check_int
-from . import register
+from .registry import register
 from .base import Rule, Signals
 
 # Tokens of the replay besides the replayed context: the repeat prompt, the template's assistant header and (the
@@ -82,3 +82,6 @@ class KVzip(Rule):
 
     def protect(self, s: Signals) -> Tensor:
         return (s.pos >= 0) & (s.pos < self.n_sink) & self._is_slot(s)
+
+    def protected_per_head(self, budget: int) -> int:
+        return self.n_sink  # the sinks

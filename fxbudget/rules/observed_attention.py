@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import register
+from .registry import register
 from .base import Rule, Signals
 
 

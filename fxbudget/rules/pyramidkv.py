@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from . import register
-from .base import Rule, Signals
+from .registry import register
+from .base import Rule
 from .snapkv import SnapKV
+from .wrapper import Wrapper
 
 
 def pyramid_budgets(budget: int, n_layers: int, beta: int, window: int, prompt: int | None = None) -> list[int]:
@@ -60,26 +61,21 @@ def pyramid_budgets(budget: int, n_layers: int, beta: int, window: int, prompt: 
 
 
 @dataclass
-class Pyramid(Rule):
+class Pyramid(Wrapper):
     """Any rule with PyramidKV's per-layer budget schedule (`beta` sets how steeply budgets fall)."""
 
     rule: Rule = field(default_factory=SnapKV)
     beta: int = 20
 
     def __post_init__(self):
+        self._check_wrapped()
         self.name = f"pyramid({self.rule.name})"
-        self.window = getattr(self.rule, "window", None)
-        # The wrapped rule's needs (checked before compiling: RoPE frequencies, W_o).
-        self.needs_rope, self.needs_wo = self.rule.needs_rope, self.rule.needs_wo
-
-    def score(self, s: Signals) -> Tensor:
-        return self.rule.score(s)
-
-    def protect(self, s: Signals) -> Tensor | None:
-        return self.rule.protect(s)
 
     def layer_budgets(self, budget: int, n_layers: int, prompt: int | None = None) -> list[int]:
-        return pyramid_budgets(budget, n_layers, self.beta, self.window or 0, prompt)
+        try:
+            return pyramid_budgets(budget, n_layers, self.beta, self.window or 0, prompt)
+        except ValueError as e:
+            raise ValueError(f"rule {self.name!r}: {e}") from None
 
 
 @register("pyramidkv")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import register
+from .registry import register
 from .base import Rule, Signals
 
 _M, _A = 2**31, 739982445  # modulus and an odd multiplier below 2^30

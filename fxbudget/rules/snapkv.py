@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import check_int
-from . import register
+from .registry import register
 from .base import Rule, Signals, recent
 
 
@@ -41,3 +41,6 @@ class SnapKV(Rule):
 
     def protect(self, s: Signals) -> Tensor:
         return recent(s, s.window)
+
+    def protected_per_head(self, budget: int) -> int:
+        return self.window  # the observation window

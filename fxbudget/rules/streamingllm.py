@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from . import register
+from .registry import register
 from .base import Rule, Signals
 
 
@@ -24,3 +24,6 @@ class StreamingLLM(Rule):
 
     def protect(self, s: Signals) -> Tensor:
         return (s.pos >= 0) & (s.pos < self.n_sink)
+
+    def protected_per_head(self, budget: int) -> int:
+        return self.n_sink  # the sinks

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import check_int
-from . import register
+from .registry import register
 from .base import Rule, Signals, recent
 from .keydiff import KeyDiff
 from .observed_attention import ObservedAttention
@@ -131,6 +131,9 @@ class Weighted(Rule):
     def protect(self, s: Signals) -> Tensor | None:
         keep = (s.pos >= 0) & (s.pos < self.n_sink)
         return keep | recent(s, self.n_recent) if self.n_recent else keep
+
+    def protected_per_head(self, budget: int) -> int:
+        return self.n_sink + self.n_recent  # the sinks and the recent window
 
     def formula(self) -> str:
         """The score with this rule's values, as text (zero weights left out)."""

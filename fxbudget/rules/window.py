@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from . import register
+from .registry import register
 from .base import Rule, Signals
 
 
