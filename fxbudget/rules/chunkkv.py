@@ -7,14 +7,13 @@ score the layer's highest score + 1), summed over the KV heads of the layer and 
 `chunk_length` positions (`[0, c)`, `[c, 2c)`, ...; the last may be shorter): every token scores its chunk's mean, so
 the best chunks are kept whole and every KV head keeps the same positions. Departures: the budget is filled exactly
 (kvpress keeps `int(chunks x (1 - ratio))` whole chunks, up to a chunk fewer entries; fxbudget's last, partly kept
-chunk keeps its newest tokens); heads keep the same positions, so their slots stay aligned and are summed slot by slot
-(as `tova`'s `share_heads`); the highest score is per batch row (kvpress: over the batch); with chunked prefill every
+chunk keeps its newest tokens); the sum over heads matches candidates by position, not by slot
+(`segments.head_sum_by_position`, as `tova`'s `share_heads`), so it holds on the head-pooled layout too; the highest score is per batch row (kvpress: over the batch); with chunked prefill every
 call is scored by its own window and a chunk holds what is still cached.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import check_int
-from . import register
+from .registry import register
 from .base import Rule, Signals
-from .segments import Segments
+from .segments import Segments, head_sum_by_position
 
 
 def kvpress_snapkv(s: Signals, kernel: int) -> Tensor:
@@ -54,10 +53,8 @@ class ChunkKV(Rule):
             raise ValueError(f"chunkkv kernel must be a positive odd int, got {self.kernel!r}")
 
     def score(self, s: Signals) -> Tensor:
-        total = kvpress_snapkv(s, self.kernel).sum(dim=1, keepdim=True)  # [b, 1, C]: heads hold the same positions
-        pos = s.pos[:, :1]
-        one = dataclasses.replace(s, pos=pos)  # the first head's order stands for every head's
-        seg = Segments(one, torch.where(pos >= 0, pos // self.chunk_length, -1))
-        x = one.in_sequence_order(total)
-        mean = one.from_sequence_order(seg.spread(seg.sum(x) / seg.count))
-        return mean.expand_as(s.pos)
+        # Summed over the heads holding each position (matched by position, so the head-pooled layout's heads,
+        # whose candidates are the whole pool, add only their own entries), then averaged per chunk in each head.
+        total = head_sum_by_position(s.pos, kvpress_snapkv(s, self.kernel))
+        seg = Segments(s, torch.where(s.pos >= 0, s.pos // self.chunk_length, -1))
+        return s.from_sequence_order(seg.spread(seg.sum(s.in_sequence_order(total)) / seg.count))

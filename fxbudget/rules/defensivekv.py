@@ -32,22 +32,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import check_int
-from . import register
+from .registry import register
 from .base import Rule, Signals, recent
-
-
-def head_sum_by_position(pos: Tensor, x: Tensor) -> Tensor:
-    """For each candidate, the sum of `x` over the KV heads holding the same position (slots are unordered per
-    head: matched by sorted search, one KV head at a time). `pos`, `x`: `[b, h, C]`; empty slots (-1) get 0."""
-    order = torch.argsort(pos, dim=-1)
-    sorted_pos, sorted_x = pos.gather(-1, order), x.gather(-1, order)
-    total = torch.zeros_like(x)
-    for j in range(pos.shape[1]):
-        other = sorted_pos[:, j:j + 1].expand_as(pos).contiguous()
-        idx = torch.searchsorted(other, pos.contiguous()).clamp(max=pos.shape[-1] - 1)
-        match = (other.gather(-1, idx) == pos) & (pos >= 0)
-        total = total + torch.where(match, sorted_x[:, j:j + 1].expand_as(x).gather(-1, idx), 0.0)
-    return total
+from .segments import head_sum_by_position
 
 
 @register("defensivekv")
@@ -100,3 +87,6 @@ class DefensiveKV(Rule):
 
     def protect(self, s: Signals) -> Tensor:
         return recent(s, s.window)
+
+    def protected_per_head(self, budget: int) -> int:
+        return self.window  # the observation window

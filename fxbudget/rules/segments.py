@@ -60,3 +60,20 @@ class Segments:
         start = (self.count.cumsum(-1) - self.count).long()  # each segment's first place
         ranks = place - self.spread(start).gather(-1, grouped)
         return torch.empty_like(ranks).scatter(-1, grouped, ranks)
+
+
+def head_sum_by_position(pos: Tensor, x: Tensor) -> Tensor:
+    """For each candidate, the sum of `x` over the KV heads holding the same position, `[b, h, C]`; empty slots
+    (-1) get 0. Slots are unordered per head, and on the head-pooled layout a head's candidates are the whole pool
+    (its own entries valid, the rest -1): matching by position (sorted search, one KV head at a time) is right on
+    both layouts, where comparing slot by slot would add other tokens (a rule that sums or averages over heads
+    uses this)."""
+    order = torch.argsort(pos, dim=-1)
+    sorted_pos, sorted_x = pos.gather(-1, order), x.gather(-1, order)
+    total = torch.zeros_like(x)
+    for j in range(pos.shape[1]):
+        other = sorted_pos[:, j:j + 1].expand_as(pos).contiguous()
+        idx = torch.searchsorted(other, pos.contiguous()).clamp(max=pos.shape[-1] - 1)
+        match = (other.gather(-1, idx) == pos) & (pos >= 0)
+        total = total + torch.where(match, sorted_x[:, j:j + 1].expand_as(x).gather(-1, idx), 0.0)
+    return total

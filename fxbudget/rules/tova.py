@@ -3,7 +3,7 @@
 Oren et al., "Transformers are Multi-State RNNs" (TOVA), 2024 (arXiv:2401.06104). score = attention from the last
 query of the call, averaged over the query heads of the KV group (ranking by the sum is the same). With
 `share_heads=True` the score is also averaged over the KV heads of the layer, so every head keeps the same positions,
-as in the paper (heads start from the same empty layout and take identical decisions, so their slots stay aligned).
+as in the paper (summed by position, not by slot, so the head-pooled layout keeps the same sets).
 Eviction happens on every call that overflows the budget (per step in decode).
 """
 
@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from . import register
+from .registry import register
 from .base import Rule, Signals
+from .segments import head_sum_by_position
 
 
 @register("tova")
@@ -21,6 +22,6 @@ class TOVA(Rule):
     share_heads: bool = False
 
     def score(self, s: Signals) -> Tensor:
-        if self.share_heads:
-            return s.last_attn.mean(dim=1, keepdim=True).expand_as(s.last_attn)
+        if self.share_heads:  # matched by position, not slot: right on the head-pooled layout too
+            return head_sum_by_position(s.pos, s.last_attn) / s.pos.shape[1]
         return s.last_attn
