@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .layer_config import UnsupportedArchitectureError, layer_windows, rope_kind, text_config
+from .layer_config import UnsupportedArchitectureError, layer_types, layer_windows, rope_kind, text_config
 
-__all__ = ["UnsupportedArchitectureError", "ArchitectureInfo", "check_config", "check_model", "describe"]
+__all__ = ["UnsupportedArchitectureError", "ArchitectureInfo", "check_config", "check_model", "describe",
+           "layer_shapes"]
 
 # Config attributes that, when set (not None / False / 0), put something into the attention scores or the cached
 # keys that fxbudget's kernel does not compute.
@@ -165,3 +166,15 @@ def describe(model: nn.Module) -> ArchitectureInfo:
     types = dict.fromkeys("sliding_attention" if w else "full_attention" for w in windows)
     rotary = " / ".join(dict.fromkeys(rope_kind(cfg, t) for t in types))
     return ArchitectureInfo(kind, rotary)
+
+
+def layer_shapes(config) -> tuple[int, int, int, int, tuple[str, ...]]:
+    """(layers, kv heads, head dim, query heads, layer types) of a config; raises `UnsupportedArchitectureError`
+    (naming the feature) for attention fxbudget cannot reproduce (`check_config`)."""
+    check_config(config)
+    cfg = text_config(config)
+    heads = cfg.num_attention_heads
+    # GPT-BigCode keeps multi-query attention as a flag rather than num_key_value_heads=1
+    kv_heads = 1 if getattr(cfg, "multi_query", False) else getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv_heads, head_dim, heads, layer_types(config)

@@ -19,8 +19,16 @@ from .checks import check_int
 from .eager import require_interceptor
 from .kernel import TOTALED
 from .kernel_signals import out_projection_factors, unknown_wo
-from .layer_config import layer_shapes, layer_windows, rope_inv_freq, text_config
+from .architectures import layer_shapes
+from .layer_config import layer_inv_freq, layer_windows, text_config
 from .marker import MARKER_STATICS, MARKER_TENSORS, MarkerCall, candidates  # noqa: F401  (importers use cache's)
+
+
+# Every tensor of a layer's state: what a call writes in place, and so what saving, restoring, branching and resetting
+# a layer read (`BudgetLayer.snapshot`, `load`, `reset`). A tensor added to the layer is added here, once.
+LAYER_STATE = ("keys", "values", "pos", "state", "norms", "totals", "owner", "seen")
+# What the kernel reads but never writes (set when the cache is built or the model attached).
+LAYER_CONSTANTS = ("inv_freq", "wo")
 
 
 @dataclass
@@ -121,9 +129,18 @@ class BudgetLayer(CacheLayerMixin):
         return self.slots
 
     def tensors(self) -> tuple[Tensor, ...]:
-        """Every tensor the compiled kernel reads or writes in place (what `BudgetCache.mark_static` marks)."""
-        return (self.keys, self.values, self.pos, self.state, self.norms, self.totals, self.seen, self.inv_freq,
-                self.wo, self.owner)
+        """Every tensor the compiled kernel reads or writes in place (what `BudgetCache.mark_static` marks): the
+        layer's state, then its constants."""
+        return tuple(getattr(self, n) for n in LAYER_STATE + LAYER_CONSTANTS)
+
+    def snapshot(self) -> dict[str, Tensor]:
+        """A copy of every state tensor (`LAYER_STATE`), for `load`."""
+        return {n: getattr(self, n).clone() for n in LAYER_STATE}
+
+    def load(self, state: dict[str, Tensor]) -> None:
+        """Write a `snapshot` (of this layer, or of a layer of the same shapes) back in place: bit-identical."""
+        for n in LAYER_STATE:
+            getattr(self, n).copy_(state[n])
 
     def head_positions(self) -> Tensor:
         """The positions each KV head holds, `[batch, kv_heads, C]` (-1 = none): `C = slots` unpooled, `kv_heads x
@@ -145,14 +162,11 @@ class BudgetLayer(CacheLayerMixin):
                          .expand_as(self.owner))
 
     def reset(self) -> None:
-        self._own_rows()
-        self.keys.zero_()
-        self.values.zero_()
-        self.pos.fill_(-1)
-        self.state.zero_()
-        self.norms.zero_()
-        self.totals.zero_()
-        self.seen.zero_()
+        for n in LAYER_STATE:
+            if n == "owner":
+                self._own_rows()
+            else:
+                getattr(self, n).fill_(-1 if n == "pos" else 0)
 
 
 # Config reading lives in `fxbudget.layer_config` (each layer's window as transformers' mask code decides it, RoPE
@@ -221,7 +235,7 @@ class BudgetCache(Cache):
         for i, t in enumerate(types):
             sliding = windows[i]
             b = sliding or next(full_budgets)
-            inv_freq = rope_inv_freq(cfg, t, head_dim)
+            inv_freq = layer_inv_freq(cfg, i, t, head_dim)
             if not sliding:
                 rope_known.append(inv_freq is not None)
             layers.append(BudgetLayer(
@@ -344,6 +358,19 @@ class BudgetCache(Cache):
             self._held = [held + n for held in self._held]
         else:
             self._held = [min(held + n, b) for held, b in zip(self._held, self.layer_budgets)]
+
+    def snapshot(self) -> dict:
+        """Every layer's state (`BudgetLayer.snapshot`) and the cache's own bookkeeping, for `restore`."""
+        return {"layers": [layer.snapshot() for layer in self.layers], "held": list(self._held),
+                "next_pos": self.next_pos.clone()}
+
+    def restore(self, snap: dict) -> None:
+        """Put a `snapshot` back, in place (the tensors keep their addresses: a compiled forward sees the same
+        inputs); every tensor bit-identical to when it was taken."""
+        for layer, state in zip(self.layers, snap["layers"]):
+            layer.load(state)
+        self._held = list(snap["held"])
+        self.next_pos.copy_(snap["next_pos"])
 
     def reset(self) -> None:
         super().reset()

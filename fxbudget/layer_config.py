@@ -105,20 +105,6 @@ def layer_types(config) -> tuple[str, ...]:
     return tuple(SLIDING if w else FULL for w in layer_windows(config))
 
 
-def layer_shapes(config) -> tuple[int, int, int, int, tuple[str, ...]]:
-    """(layers, kv heads, head dim, query heads, layer types) of a config; raises `UnsupportedArchitectureError`
-    (naming the feature) for attention fxbudget cannot reproduce (`fxbudget.architectures.check_config`)."""
-    from .architectures import check_config
-
-    check_config(config)
-    cfg = text_config(config)
-    heads = cfg.num_attention_heads
-    # GPT-BigCode keeps multi-query attention as a flag rather than num_key_value_heads=1
-    kv_heads = 1 if getattr(cfg, "multi_query", False) else getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return cfg.num_hidden_layers, kv_heads, head_dim, heads, layer_types(config)
-
-
 def rope_parameters(cfg, layer_type: str) -> dict:
     """The RoPE parameters of a layer type (per-type dicts, as Gemma 3 keeps them, or one for all layers)."""
     params = getattr(cfg, "rope_parameters", None) or {}
@@ -164,6 +150,21 @@ def rope_kind(config, layer_type: str = FULL) -> str:
     layout = _rotation_layout(type(cfg).__module__)
     parts = [kind] + ([f"partial {factor:g}"] if factor != 1.0 else []) + ([layout] if layout != "half" else [])
     return " ".join(parts) + ("" if rope_inv_freq(config, layer_type) is not None else " (unknown to rules)")
+
+
+def uses_rope(config, layer: int) -> bool:
+    """Whether layer `layer` rotates its queries and keys: False for the NoPE layers of `config.no_rope_layers`
+    (SmolLM3: 1 = RoPE, 0 = none, per layer, as its attention reads it)."""
+    flags = getattr(text_config(config), "no_rope_layers", None)
+    return not flags or layer >= len(flags) or bool(flags[layer])
+
+
+def layer_inv_freq(config, layer: int, layer_type: str, head_dim: int) -> Tensor | None:
+    """The RoPE frequencies of layer `layer` (`rope_inv_freq`), or zeros for a NoPE layer (`uses_rope`): a rotation
+    by angle 0 is the identity, so a rule's pre-RoPE keys of that layer are its keys, exactly."""
+    if not uses_rope(config, layer):
+        return torch.zeros(head_dim // 2)
+    return rope_inv_freq(config, layer_type, head_dim)
 
 
 def rope_inv_freq(config, layer_type: str, head_dim: int | None = None) -> Tensor | None:

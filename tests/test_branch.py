@@ -6,14 +6,14 @@ import torch
 
 import fxbudget
 from fxbudget.harness.branch import branch, shared_prefill
-from fxbudget.rules import available, get
+from fxbudget.rules import get, plain_generation_rules
 
 from conftest import greedy, tiny_model
 
 # kvzip evicts only in its replay protocol (tests/test_kvzip.py)
-RULES = [r for r in available() if r != "full" and not getattr(get(r), "replay_only", False)]
+RULES = plain_generation_rules()
 # `owner`: the KV head each slot's entry belongs to (it moves between heads in the head-pooled layout).
-SLOT_TENSORS = ("keys", "values", "pos", "state", "norms", "totals", "seen", "owner")
+from fxbudget.cache import LAYER_STATE as SLOT_TENSORS  # noqa: E402  (every state tensor, declared once)
 
 
 @pytest.fixture(scope="module", params=["qwen2", "gemma3"])

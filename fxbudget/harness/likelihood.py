@@ -53,25 +53,17 @@ def finish_prompt(model: nn.Module, cache, last_logits: Tensor, question: Tensor
                      **cache_kwargs(model.forward, cache)).logits[:, -1]
 
 
-_LAYER_STATE = ("keys", "values", "pos", "state", "norms", "totals", "seen")  # every tensor a call writes
-
-
 @contextlib.contextmanager
 def _scratch(cache):
     """`cache` to run on, left as it was afterwards: a `BudgetCache` is restored in place, others are copied."""
     if not isinstance(cache, BudgetCache):
         yield copy.deepcopy(cache)
         return
-    saved = [[getattr(layer, n).clone() for n in _LAYER_STATE] for layer in cache.layers]
-    held, next_pos = list(cache._held), cache.next_pos.clone()
+    saved = cache.snapshot()
     try:
         yield cache
     finally:
-        for layer, tensors in zip(cache.layers, saved):
-            for n, t in zip(_LAYER_STATE, tensors):
-                getattr(layer, n).copy_(t)
-        cache._held = held
-        cache.next_pos.copy_(next_pos)
+        cache.restore(saved)
 
 
 def _logprobs(logits: Tensor, answer: Tensor) -> Tensor:
