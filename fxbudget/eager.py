@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .kernel import DEFAULT_BLOCK, budget_attention
+from .budget_attention import budget_attention
+from .kernel import DEFAULT_BLOCK
 from .marker import MARKER_TENSORS, NoBudgetAttentionError
 from .rules.base import Rule
 from .sdpa_args import bind, check

@@ -8,7 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxbudget
 from fxbudget import rules
-from fxbudget.kernel import SIGNAL_NAMES, TOTALED, _Block, auto_block, budget_attention, measure
+from fxbudget.budget_attention import budget_attention
+from fxbudget.kernel import SIGNAL_NAMES, TOTALED, _Block, auto_block, measure
 from fxbudget.kernel_signals import out_projection_factors, value_out_norms
 from fxbudget.passes.sdpa import trace_kernel
 from transformers import LlamaConfig, LlamaForCausalLM

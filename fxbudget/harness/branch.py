@@ -19,9 +19,9 @@ from ..api import compile as fx_compile
 from ..backend import kernel_window
 from ..cache import MARKER_TENSORS, BudgetCache
 from ..eager import recording
-from ..kernel import DEFAULT_BLOCK, DEFAULT_WINDOW, SIGNAL_NAMES, TOTALED, budget_attention, evict, rule_region, signal_totals
+from ..budget_attention import budget_attention
+from ..kernel import DEFAULT_BLOCK, DEFAULT_WINDOW, SIGNAL_NAMES, TOTALED, evict, rule_region, signal_totals
 from ..pool import evict_pooled, head_view
-from ..rules.adakv import allocation_floor
 from ..rules import Rule, get
 from ..rules.base import Signals
 
@@ -118,9 +118,7 @@ def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str) -> None
                     next(signals)
                 continue
             if layer.sliding:  # sliding layers run the `window` rule whatever the rule: the same state for all
-                src = prefill.cache.layers[call.layer]
-                for name in ("keys", "values", "pos", "state", "norms", "totals"):
-                    getattr(layer, name).copy_(getattr(src, name))
+                layer.load(prefill.cache.layers[call.layer].snapshot())
                 continue
             rec = next(signals)
             _evict_from_signals(rec, layer, rule, window, t[_V])
@@ -152,7 +150,7 @@ def _evict_from_signals(rec: dict, layer, rule: Rule, window: int, v_new: Tensor
         else:
             sig[name] = {"k_slots": keys, "v_slots": values}[name] if name in _SLOT_TENSORS else rec[name]
     n = rec["k_new"].shape[2]
-    floor = {"floor": allocation_floor(rule, layer.budget)} if layer.pooled else {}
+    floor = {"floor": rule.head_floor(layer.budget)} if layer.pooled else {}
     score = rule_region(rule, layer.budget, min(window, n), *sig.values(), **floor)
     totals = signal_totals(tuple(sig[name] for name in TOTALED), sig["attn"].dtype)
     args = (score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], sig["wov_norm"], totals,

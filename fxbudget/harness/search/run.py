@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
@@ -14,29 +13,8 @@ from ..runner import Runner, environment
 from .calibration import calibration_set, objective, prefill_bytes
 from .config import SearchConfig
 from .study import baseline_objectives, complete_trials, open_study, run_trials
-from .summary import write_rule_file
+from .summary import SearchResult, write_rule_file
 from .verdict import verdict
-
-
-@dataclass
-class SearchResult:
-    """What `search` found and how it fared (the summary is written from it)."""
-
-    config: SearchConfig
-    study: object
-    rule_file: Path
-    best: object
-    reproduced: float
-    calibration_baselines: dict
-    holdout_dir: Path
-    holdout_rows: list
-    verdicts: dict
-    timings: dict
-    prefill_mib: float
-    environment: dict
-    command: str
-    model_name: str
-    new_trials: int
 
 
 def search(model: nn.Module, tokenizer, model_name: str, config: SearchConfig, out: str | Path, *,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import datetime
 import os
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
-from typing import TYPE_CHECKING
 
 from ...kernel import DEFAULT_WINDOW
 from ...rules import get
@@ -17,8 +17,25 @@ from .config import SearchConfig
 from .study import complete_trials
 from .verdict import holdout_means
 
-if TYPE_CHECKING:
-    from .run import SearchResult
+@dataclass
+class SearchResult:
+    """What `search` found and how it fared (the summary is written from it)."""
+
+    config: SearchConfig
+    study: object
+    rule_file: Path
+    best: object
+    reproduced: float
+    calibration_baselines: dict
+    holdout_dir: Path
+    holdout_rows: list
+    verdicts: dict
+    timings: dict
+    prefill_mib: float
+    environment: dict
+    command: str
+    model_name: str
+    new_trials: int
 
 
 def _class_name(name: str) -> str:
