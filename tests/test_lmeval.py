@@ -290,6 +290,9 @@ def test_registered_with_lm_eval():
     ("budget=8,batch_size=auto", "batch_size=auto is not supported"),
     ("budget=8,parallelize=True", "unknown argument"),
     ("budget=8,question_marker=Q:", "question_marker is for protocol=query-agnostic"),
+    ("rule=kvzip,budget=8", "evicts only in its own replay protocol"),  # issue 29, finding 8: refused before load
+    ("rule=adakv:kvzip,budget=8", "evicts only in its own replay protocol"),
+    ("rule=snapkvv,budget=8", "did you mean 'snapkv'"),
 ])
 def test_bad_model_args_fail_before_any_model_is_loaded(args, match, monkeypatch):
     from fxbudget.lmeval import ModelArgsError, loading
@@ -297,6 +300,19 @@ def test_bad_model_args_fail_before_any_model_is_loaded(args, match, monkeypatch
     monkeypatch.setattr(loading, "load", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(ModelArgsError, match=match):
         FxBudgetLM.create_from_arg_string(f"pretrained=/nonexistent,{args}")
+
+
+@pytest.mark.parametrize("rule, name", [("adakv:snapkv", "adakv:snapkv"), ("SnapKV", "snapkv"),
+                                        ("AdaKV:H2O", "adakv:h2o")])
+def test_model_args_accept_what_compare_accepts(rule, name, monkeypatch):
+    """Issue 29, finding 8: the wrappers `fxbudget rules` lists, and names in any case, as `compare` takes them."""
+    from fxbudget.lmeval.options import parse
+
+    opts = parse({"rule": rule, "budget": 64, "alpha": 0.3} if rule.lower().startswith("adakv")
+                 else {"rule": rule, "budget": 64})
+    assert opts.rule.name == name
+    if name.startswith("adakv"):
+        assert opts.rule.alpha == 0.3 and opts.rule.head_adaptive
 
 
 def _run(code: str, *args: str):
@@ -378,3 +394,27 @@ def test_compiled_backend_equals_the_eager_kernel(setup):
     assert [g for _, g in compiled["loglikelihood"]] == [g for _, g in eager["loglikelihood"]]
     assert max(abs(a[0] - b[0]) for a, b in zip(compiled["loglikelihood"], eager["loglikelihood"])) < 1e-4
     assert math.isclose(compiled["loglikelihood_rolling"][0], eager["loglikelihood_rolling"][0], rel_tol=1e-5)
+
+
+MC1 = "fxb_mc1"
+
+
+@pytest.mark.parametrize("protocol", ["query-aware", "streaming"])
+def test_single_token_choices_move_with_the_budget(setup, tmp_path, protocol):
+    """Issue 29, finding 6: a one-token continuation (multiple choice as " A"/" B") is scored by the logits of a call
+    over the compressed cache, so its log-likelihood depends on the budget (it did not: the prefill's own last
+    logits scored it, the same at budget 4 and 512)."""
+    model_dir, _, _ = setup
+    rng = random.Random(1)
+    letters = ["A", "B", "C", "D"]  # lm-eval prepends its target delimiter " ": one token each (checked below)
+    rows = [{"question": _text(rng, 20 + 2 * i) + " Answer:", "choices": letters, "label": i % 4} for i in range(4)]
+    _yaml(tmp_path, MC1, _write(tmp_path, "mc1", rows), MC_BODY)
+    tm = TaskManager(include_path=str(tmp_path))
+    small, big = (_fx(model_dir, [MC1], tm, f"rule=snapkv,budget={b},protocol={protocol},window=2,kernel=3")
+                  for b in (4, 512))
+    lls = [[float(c[0][0]) for r in _resps(res, MC1) for c in r] for res in (small, big)]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert all(len(tok(" " + x, add_special_tokens=False).input_ids) == 1 for x in letters)
+    hf = _hf(model_dir, [MC1], tm)
+    assert max(abs(a - b) for a, b in zip(lls[1], [float(c[0][0]) for r in _resps(hf, MC1) for c in r])) < 1e-4
+    assert max(abs(a - b) for a, b in zip(*lls)) > 1e-3  # the budget reaches the one scored token

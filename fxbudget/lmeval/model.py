@@ -10,6 +10,8 @@ so with a budget covering every request its metrics equal `hf`'s) whose three re
 - `loglikelihood`: the context prefilled the same way, once for all requests that share it (a multiple-choice
   doc's choices); each continuation is then teacher-forced in one call with eviction frozen (streaming: one token
   per call, evicting) and the cache put back; `is_greedy` comes from the same logits.
+- The first scored or generated token is always predicted by a call over the compressed cache: when nothing would be
+  fed after the prefill, the context's last token is held out of it and fed instead (`FxBudgetLM._split`).
 - `loglikelihood_rolling`: each of lm-eval's windows streams through the budget in calls of `chunk_size` tokens
   (default 1), every call evicting (one call would attend exactly and evict only afterwards).
 
@@ -139,6 +141,17 @@ class FxBudgetLM(HFLM):
                              f"({context[max(0, at - 20):at + 20]!r}); use protocol=query-aware")
         return max(1, len(prefix) - (len(context_ids) - kept))  # truncation takes tokens from the prefix first
 
+    @staticmethod
+    def _split(ctx: list[int], k: int) -> tuple[list[int], list[int]]:
+        """`(prefilled, fed)`: the `k` tokens prefilled with eviction and the rest of `ctx`, fed over the compressed
+        cache. When nothing would be fed (query-aware, streaming, or a question at the very end) the last prefilled
+        token is held out and fed instead: a prefill attends exactly and evicts only afterwards, so its own last
+        logits never see the budget, and the first scored or generated token must come from a call over the kept
+        cache (kvpress's pipeline likewise feeds the question over the compressed context)."""
+        if k == len(ctx) and k > 1:
+            k -= 1
+        return ctx[:k], ctx[k:]
+
     # --- loglikelihood --------------------------------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         """`(logprob, is_greedy)` per `((context, continuation), context_ids, continuation_ids)` request."""
@@ -149,7 +162,8 @@ class FxBudgetLM(HFLM):
             full = (list(ctx_ids) + list(cont_ids))[-(self.max_length + 1):]  # lm-eval's left truncation
             ctx = full[:len(full) - len(cont_ids)]
             k = self._prefilled(context, ctx_ids, len(ctx)) if context is not None else len(ctx)
-            groups.setdefault(tuple(ctx[:k]), []).append((i, ctx[k:], list(cont_ids)))
+            prefilled, fed = self._split(ctx, k)
+            groups.setdefault(tuple(prefilled), []).append((i, fed, list(cont_ids)))
         budget = {p: self.engine.budget_for(len(p)) for p in groups}
         order = sorted(groups, key=lambda p: (budget[p], -len(p), p))
         evict = self.opts.protocol == "streaming"
@@ -218,8 +232,8 @@ class FxBudgetLM(HFLM):
                                  f"{self.max_length}")
             ids = self.tok_batch_encode([context], truncation=self.truncation)[0][0].tolist()
             ctx = ids[-(self.max_length - max_new):]  # lm-eval's left truncation
-            k = self._prefilled(context, ids, len(ctx))
-            plan.append((i, ctx[:k], ctx[k:], until, max_new))
+            prefilled, fed = self._split(ctx, self._prefilled(context, ids, len(ctx)))
+            plan.append((i, prefilled, fed, until, max_new))
         budget = [self.engine.budget_for(len(p[1])) for p in plan]
         order = sorted(range(len(plan)), key=lambda j: (budget[j], plan[j][4], -len(plan[j][1])))
         evict, eos = self.opts.protocol == "streaming", self._eos_ids()

@@ -16,8 +16,7 @@ from ..checks import check_int
 from ..harness.likelihood import PROTOCOLS
 from ..harness.runner import budget_fraction
 from ..kernel import DEFAULT_BLOCK
-from ..rules import Rule, available, get
-from ..rules import _REGISTRY as _RULES
+from ..rules import Rule, available, canonical, get, rule_fields, unknown_rule_message
 
 INSTALL_HINT = "pip install 'flexbudget[lmeval]'"
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -80,10 +79,6 @@ def _int(name: str, value) -> int:
     return value
 
 
-def _rule_fields(name: str) -> set[str]:
-    return {f.name for f in dataclasses.fields(_RULES[name]) if f.init}
-
-
 def parse(args: dict) -> Options:
     """Check `args` (the parsed `--model_args` plus lm-eval's batch_size/device) and split them.
 
@@ -96,9 +91,14 @@ def parse(args: dict) -> Options:
         ModelArgsError: one message naming the bad argument and what is accepted.
     """
     args = dict(args)
+    # The rule is checked as `compare` checks it (`fxbudget.rules`): case-insensitive names, wrapper forms such as
+    # adakv:snapkv, one line listing the rules for an unknown one.
     rule_name = args.pop("rule", "snapkv")
-    if not isinstance(rule_name, str) or rule_name not in available():
-        raise ModelArgsError(f"fxbudget model_args: unknown rule {rule_name!r}; known rules: {', '.join(available())}")
+    rule_name = canonical(rule_name) if isinstance(rule_name, str) else rule_name
+    fields = rule_fields(rule_name) if isinstance(rule_name, str) else None
+    if fields is None:
+        raise ModelArgsError(f"fxbudget model_args: {unknown_rule_message(rule_name)}")
+    fields = set(fields)
     if rule_name == "full":
         raise ModelArgsError("fxbudget model_args: rule=full is the unmodified model; run lm-eval's own `--model hf` "
                          "for the reference")
@@ -128,17 +128,20 @@ def parse(args: dict) -> Options:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelArgsError(f"fxbudget model_args: device {device} (lm-eval's command line passes cuda:0 unless told "
                              "otherwise), but torch sees no CUDA device: pass --device cpu or device=cpu")
-    fields = _rule_fields(rule_name)
     if "window" in args and "window" not in fields:
         raise ModelArgsError(f"fxbudget model_args: rule {rule_name!r} has no window hyperparameter, so its kernel "
                          f"uses the default observation window ({kernel_window(get(rule_name))}); window= is for "
-                         f"rules that declare one ({', '.join(n for n in available() if 'window' in _rule_fields(n))})")
+                         f"rules that declare one ({', '.join(n for n in available() if 'window' in rule_fields(n))})")
     rule_params = {k: args.pop(k) for k in list(args) if k in fields}
     try:
         rule = get(rule_name, **rule_params)
         kernel_window(rule)
     except (TypeError, ValueError) as e:
         raise ModelArgsError(f"fxbudget model_args: {e}") from None
+    if rule.replay_only:
+        raise ModelArgsError(f"fxbudget model_args: rule={rule_name} evicts only in its own replay protocol "
+                             "(fxbudget.kvzip_protocol), which lm-eval's requests do not run; compare it with "
+                             f"`fxbudget compare --rules {rule_name} --protocol query-agnostic`")
     marker = args.pop("question_marker", None)
     if marker is not None:
         # Typed on a command line: "\\n" is a newline (lm-eval passes the backslash through).
