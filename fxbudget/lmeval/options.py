@@ -6,7 +6,6 @@ message before a checkpoint is read.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
