@@ -85,7 +85,7 @@ def _needle(depths, lengths, n=1, rule="snapkv"):
 
 
 def test_two_by_two_is_a_heatmap_labelled_with_the_tasks_own_depths():
-    rs = _needle([0.25, 0.75], [1000, 2000], n=2)
+    rs = _needle([0.2497, 0.7503], [1000, 2000], n=2)  # measured depths of needles asked at 0.25 and 0.75
     assert P.needle_shape(rs) == "heatmap"
     ax = P.heatmap_figure(rs, "snapkv").axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["0.25", "0.75"]  # not round(d, 1): 0.2, 0.8
@@ -101,7 +101,7 @@ def test_one_length_draws_bars_over_the_depths_not_a_one_column_heatmap():
     assert P.needle_shape(rs) == "bars"
     ax = P.needle_bars_figure(rs, "snapkv").axes[0]
     assert not ax.images
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.1", "0.25", "0.333333", "0.9"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.10", "0.25", "0.33", "0.90"]
     assert [round(p.get_height(), 6) for p in ax.patches] == [1.0, 0.0, 1.0, 0.0]
     assert [t.get_text() for t in ax.texts] == ["1.00\n(n=1)", "0.00\n(n=1)", "1.00\n(n=1)", "0.00\n(n=1)"]
     assert ax.get_xlabel() == "needle depth (context length 1000)"
@@ -111,13 +111,13 @@ def test_one_depth_several_lengths_draws_bars_over_the_lengths():
     rs = _needle([0.5], [500, 1000, 2000])
     ax = P.needle_bars_figure(rs, "snapkv").axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["500", "1000", "2000"]
-    assert "needle depth 0.5" in ax.get_xlabel()
+    assert "needle depth 0.50" in ax.get_xlabel()
 
 
 def test_one_by_one_is_a_sentence_not_a_figure(tmp_path):
     rs = _needle([0.5], [1000], n=2) + _needle([0.5], [1000], n=2, rule="h2o")
     assert P.needle_shape(rs) == "none"
-    assert P.needle_note(rs) == ("Needle depth x context length: every needle sample sits at depth 0.5 in a "
+    assert P.needle_note(rs) == ("Needle depth x context length: every needle sample sits at depth 0.50 in a "
                                  "1000-token context, so there is no depth or length figure: the accuracy tables "
                                  "above hold the same numbers.")
     names = P.plot(rs, tmp_path)

@@ -1,7 +1,8 @@
 """The report's figures: accuracy and answer likelihood against the budget with 95% intervals (one panel per task,
 one row of panels per protocol), and per rule the needle tasks' accuracy by depth and context length: a heatmap where
 there are at least two depths and two lengths, else the same numbers as bars over the one that varies (one depth and
-one length: no figure, `needle_note` says so in the report). Labels are the data's own values (depth 0.25, not 0.2).
+one length: no figure, `needle_note` says so in the report). Depths are labelled as the answers table prints the
+measured depth (0.25, not round(depth, 1)'s 0.2).
 Each figure is built by a function that returns it (tests read its axes) and saved by `plot`."""
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def needle_rows(rows) -> list[dict]:
 
 
 def _depth(r) -> float:
-    return round(float(r["depth"]), 6)  # the depth as the task set it (0.25), float noise aside
+    # The measured depth as the report's answers table prints it (`depth 0.25`): a needle placed at a sentence
+    # boundary sits at 0.2497 for a requested 0.25; round(depth, 1) made that 0.2, and 0.75 made 0.8.
+    return float(f"{float(r['depth']):.2f}")
 
 
 def needle_shape(rows) -> str:
@@ -76,7 +79,7 @@ def needle_note(rows) -> str | None:
     rows = needle_rows(rows)
     if not rows or needle_shape(rows) != "none":
         return None
-    return (f"Needle depth x context length: every needle sample sits at depth {_depth(rows[0]):g} in a "
+    return (f"Needle depth x context length: every needle sample sits at depth {_depth(rows[0]):.2f} in a "
             f"{rows[0]['length']}-token context, so there is no depth or length figure: the accuracy tables above "
             "hold the same numbers.")
 
@@ -206,7 +209,7 @@ def heatmap_figure(rs, rule: str):
                     ax.text(x, y, f"{_mean(g):.2f}\n(n={len(g)})" if g else "", ha="center", va="center",
                             fontsize=8)
             ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
-            ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+            ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths])
             ax.set_xlabel("context length (target tokens)")
             ax.set_title(f"{rule}, B={b}\n{s}", fontsize=9)
         row_axes[0].set_ylabel("needle depth")
@@ -229,7 +232,7 @@ def needle_bars_figure(rs, rule: str):
     values = depths if by_depth else lengths
     key = _depth if by_depth else (lambda r: r["length"])
     xlabel = (f"needle depth (context length {lengths[0]})" if by_depth and len(lengths) == 1 else
-              "needle depth" if by_depth else f"context length (target tokens; needle depth {depths[0]:g})")
+              "needle depth" if by_depth else f"context length (target tokens; needle depth {depths[0]:.2f})")
     fig, axes = plt.subplots(len(panels), len(labels), figsize=(1.0 + max(3.0, 0.8 * len(values)) * len(labels),
                                                                  1.0 + 2.6 * len(panels)),
                              squeeze=False, sharey=True, constrained_layout=True)
@@ -242,7 +245,7 @@ def needle_bars_figure(rs, rule: str):
             for x, (m, g) in enumerate(zip(means, groups)):
                 ax.text(x, m + 0.02, f"{m:.2f}\n(n={len(g)})" if g else "no samples", ha="center", va="bottom",
                         fontsize=8)
-            ax.set_xticks(range(len(values)), [f"{v:g}" for v in values])
+            ax.set_xticks(range(len(values)), [f"{v:.2f}" if by_depth else str(v) for v in values])
             ax.set_ylim(0, 1.25)
             ax.set_xlabel(xlabel)
             ax.set_title(f"{rule}, B={b}\n{s}", fontsize=9)
