@@ -222,3 +222,21 @@ def test_report_and_plots_do_not_import_each_other():
 @pytest.mark.parametrize("name", ["report", "plots", "stats", "tables", "answers", "grouping"])
 def test_report_modules_stay_under_400_lines(name):
     assert len((ROOT / "fxbudget" / "harness" / f"{name}.py").read_text().splitlines()) < 400
+
+
+def test_search_verdict_prints_no_infinite_interval_and_no_best_among_ties():
+    from fxbudget.harness.search.verdict import verdict
+
+    # Two held-out samples: the likelihood difference has no interval; the verdict says why.
+    rows = [row("found", s, logprob=-0.1) for s in range(2)] + [row("snapkv", s, logprob=-0.9) for s in range(2)]
+    beats, text = verdict(rows, "found", "likelihood")
+    assert beats is False and "inf" not in text and "(n=2: too few samples for an interval)" in text
+    # The searched rule ties with a built-in one at the top: it beats nothing, and no built-in rule is "the best".
+    tied = [row(rule, s, score=1.0) for rule in ("found", "snapkv") for s in range(3)] + \
+        [row("knorm", s, score=0.0) for s in range(3)]
+    beats, text = verdict(tied, "found", "accuracy")
+    assert beats is False and "shares the best mean (1.00) with snapkv" in text
+    below = [row("snapkv", s, score=1.0) for s in range(3)] + [row("tova", s, score=1.0) for s in range(3)] + \
+        [row("found", s, score=0.0) for s in range(3)]
+    beats, text = verdict(below, "found", "accuracy")
+    assert beats is False and "one of the built-in rules sharing the best mean (snapkv, tova)" in text

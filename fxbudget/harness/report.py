@@ -98,7 +98,8 @@ def write_csv(lines: list[dict], path: Path, fields: tuple[str, ...] | None = No
 
 
 def paired_rows(rows: list[dict]) -> list[dict]:
-    """`paired.csv`: every rule-vs-best comparison, per setting, task (and "all") and budget, for both metrics."""
+    """`paired.csv`: every rule against the top one (highest mean), per setting, task (and "all") and budget, for both
+    metrics."""
     out = []
     for (protocol, chunk, backend), srs in by(rows, "protocol", "chunk_size", "backend").items():
         for task, trs in [("all", srs)] + list(by(srs, "task").items()):
