@@ -126,3 +126,16 @@ def test_filled_regions_match_the_committed_runs(grid, tmp_path):
     stale = [str(c.relative_to(tmp_path)) for c in copies if c.read_text() != (ROOT / c.relative_to(tmp_path))
              .read_text()]
     assert not stale, f"rerun `python benchmarks/demo_readme.py --grid {grid} --fill-only`: {stale} are stale"
+
+
+def test_docs_site_has_the_first_hour_pages_and_stands_on_its_own():
+    nav = (ROOT / "mkdocs.yml").read_text().split("\nnav:", 1)[1]
+    titles = re.findall(r"^\s*- ([^:]+):", nav, re.M)
+    for title in ("Install", "Quick start", "Compare rules", "Your own rule", "lm-eval", "GPU", "Python API",
+                  "Results"):
+        assert title in titles, title
+    for page in re.findall(r": (\S+\.md)$", nav, re.M):  # every page of the nav exists
+        assert (ROOT / "docs" / page).is_file() or (ROOT / page).is_file(), page
+    assert "README" not in (ROOT / "docs" / "index.md").read_text()  # the home page does not send readers away
+    gpu = (ROOT / "docs" / "gpu.md").read_text()
+    assert "--device cuda --dtype bfloat16" in gpu and "Not run" in gpu
