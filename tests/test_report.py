@@ -128,9 +128,9 @@ def test_best_is_never_named_among_tied_rules():
             for s in range(4)]
     text = R.paired_tables(rows)
     assert "best **" not in text
-    assert "- by accuracy: no single best: snapkv, tova share the highest mean (1)" in text
+    assert "- by accuracy: no single best: snapkv, tova share the highest mean (1.00)" in text
     assert "| snapkv | 1.00 [0.40, 1.00] | top (tied) |" in text
-    assert "every rule has the same mean (1): no best" in R.paired_tables(
+    assert "every rule has the same mean (1.00): no best" in R.paired_tables(
         [row(rule, s) for rule in ("snapkv", "tova") for s in range(3)])
 
 

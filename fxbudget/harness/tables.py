@@ -177,12 +177,13 @@ def _diff_cells(ranked: dict, rule: str, digits: int, tied: bool) -> list[str]:
 def verdict(metric: str, ranked: list) -> str:
     """One line on a ranking (`stats.rank`): "best" only for a rule ahead of every other one at this sample size;
     a lead that is not separated says "highest mean", a lead shared by several rules says "no single best"."""
+    digits = 2 if metric == "accuracy" else 3
     if len({r.mean for r in ranked}) == 1:
-        return f"- by {metric}: every rule has the same mean ({ranked[0].mean:.3g}): no best"
+        return f"- by {metric}: every rule has the same mean ({ranked[0].mean:.{digits}f}): no best"
     top, lead = ranked[0].rule, leaders(ranked)
     same = [r.rule for r in ranked[1:] if r.tier == 1]
     if len(lead) > 1:
-        return (f"- by {metric}: no single best: {', '.join(lead)} share the highest mean ({ranked[0].mean:.3g}); "
+        return (f"- by {metric}: no single best: {', '.join(lead)} share the highest mean ({ranked[0].mean:.{digits}f}); "
                 f"not separated from {top} at this sample size: {', '.join(same) if same else 'none'}")
     if same:
         return f"- by {metric}: highest mean **{top}**; not separated from it at this sample size: {', '.join(same)}"
