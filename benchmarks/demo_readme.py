@@ -97,11 +97,23 @@ def run_quick(out: Path) -> dict:
 def publish(run_dir: Path, wall: dict | None) -> None:
     """Copy the run's report, rows and plots (and the timing) into DOCS."""
     DOCS.mkdir(parents=True, exist_ok=True)
-    for name in KEEP + ("output.txt",) + tuple(p.name for p in sorted(run_dir.glob("heatmap_*.png"))):
+    _drop_figures()
+    for name in KEEP + ("output.txt",) + tuple(p.name for p in _figures(run_dir)):
         if (run_dir / name).exists():
             shutil.copy2(run_dir / name, DOCS / name)
     if wall is not None:
         (DOCS / "wall.json").write_text(json.dumps(wall, indent=1, default=str) + "\n")
+
+
+def _figures(folder: Path) -> list[Path]:
+    """The per-rule needle figures of a report folder (heatmaps, or bars where only depth or length varies)."""
+    return sorted([*folder.glob("heatmap_*.png"), *folder.glob("needle_*.png")])
+
+
+def _drop_figures() -> None:
+    """Remove DOCS's per-rule figures, so a report that draws other ones (or none) leaves no stale file behind."""
+    for path in _figures(DOCS) if DOCS.is_dir() else []:
+        path.unlink()
 
 
 def _section(report: str, title: str) -> str:
@@ -220,6 +232,7 @@ def main() -> int:
     elif a.rereport:
         from fxbudget.harness.report import report
 
+        _drop_figures()
         report([DOCS])
     elif not a.fill_only:
         with tempfile.TemporaryDirectory(prefix="fxbudget-demo-") as d:

@@ -1,11 +1,16 @@
 """mkdocs hook: the benchmark results (`benchmarks/`) become part of the site, so the pages link to them as GitHub
-does (`../benchmarks/results/x.md` from `docs/`) and `mkdocs build --strict` checks those links like any other."""
+does (`../benchmarks/results/x.md` from `docs/`) and `mkdocs build --strict` checks those links like any other; and
+the `Signals` table of "Your own rule" is filled from the code (`docs/_signals.py`) as the site is built."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from mkdocs.structure.files import File
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _signals  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = "benchmarks"
@@ -24,4 +29,6 @@ def on_page_markdown(markdown, page, config, files):
     """In a page of `docs/`, `../benchmarks/` is `benchmarks/` of the site (the folder added by `on_files`)."""
     if "/" not in page.file.src_uri:
         markdown = markdown.replace(f"](../{SHARED}/", f"]({SHARED}/")
+    if page.file.src_uri == "rule.md":
+        markdown = _signals.fill(markdown)  # the table from the code, even if the committed copy were stale
     return markdown

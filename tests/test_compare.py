@@ -61,11 +61,11 @@ def test_rows_report_and_plots(single_run):
     assert all(r["kv_held_bytes"] <= r["kv_allocated_bytes"] for r in rows.values())
     assert all(r["kv_held_bytes"] < r["kv_allocated_bytes"] / 4 for r in budgeted if r["budget"] == 4096)  # empty
     for name in ("report.md", "summary.csv", "paired.csv", "accuracy_vs_budget.png", "likelihood_vs_budget.png",
-                 "heatmap_snapkv.png", "run.json"):
+                 "needle_snapkv.png", "run.json"):
         assert (out / name).stat().st_size > 0, name
     report = (out / "report.md").read_text()
     assert "| full (unmodified model) |" in report and "one shared kernel" in report
-    assert "#### B=48: 4 paired samples" in report and "| rule | accuracy [95% CI] | Δ vs best |" in report
+    assert "#### B=48: 4 paired samples" in report and "| rule | accuracy [95% CI] | Δ vs top |" in report
     summary = list(csv.DictReader((out / "summary.csv").open()))
     assert {s["rule"] for s in summary} == {"full", "snapkv", "streamingllm", "h2o", "pyramidkv"}
     for s in summary:

@@ -1,5 +1,6 @@
 """The report's figures, read back from matplotlib: a lone budget sits inside its panel, unbounded intervals are
-noted, every title names the protocol, and a one-cell heatmap is labelled."""
+noted with their reason, every title names the protocol, needle depths are labelled with the task's own values, and a
+heatmap is drawn only on at least 2 x 2 cells (bars over the one dimension that varies, a sentence for 1 x 1)."""
 
 import math
 
@@ -56,7 +57,7 @@ def test_several_budgets_keep_a_margin_too():
 
 def test_unbounded_likelihood_intervals_are_noted_not_dropped_silently():
     few = P.metric_figure(_rows(2), "likelihood", relative=False).axes[0]
-    assert P.UNBOUNDED_NOTE in few.get_title()
+    assert "no bar: n=2: too few samples for an interval" in few.get_title()
     many = P.metric_figure(_rows(8), "likelihood", relative=False).axes[0]  # 8 paired samples: bounded
     assert P.UNBOUNDED_NOTE not in many.get_title()
     assert P.UNBOUNDED_NOTE not in P.metric_figure(_rows(2), "accuracy", relative=False).axes[0].get_title()
@@ -71,20 +72,74 @@ def test_every_title_names_the_protocol():
             any("query-agnostic" in t for t in titles)
 
 
-def test_one_cell_heatmap_is_titled_with_protocol_and_labelled():
-    rs = [r for r in _rows(2) if r["rule"] == "snapkv"]
-    for r in rs:
-        r["depth"] = 0.5  # one depth, one length: a single cell
-    fig = P.heatmap_figure(rs, "snapkv")
-    ax = fig.axes[0]
+def _needle(depths, lengths, n=1, rule="snapkv"):
+    """Rows of one rule at B=8 over every depth x length, `n` samples each (score 1 on even samples)."""
+    out, k = [], 0
+    for d in depths:
+        for length in lengths:
+            for _ in range(n):
+                out.append(row(rule, k, budget=8, score=float(k % 2 == 0), depth=d, length=length,
+                               protocol="query-aware"))
+                k += 1
+    return out
+
+
+def test_two_by_two_is_a_heatmap_labelled_with_the_tasks_own_depths():
+    rs = _needle([0.2497, 0.7503], [1000, 2000], n=2)  # measured depths of needles asked at 0.25 and 0.75
+    assert P.needle_shape(rs) == "heatmap"
+    ax = P.heatmap_figure(rs, "snapkv").axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0.25", "0.75"]  # not round(d, 1): 0.2, 0.8
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1000", "2000"]
     assert ax.get_title() == "snapkv, B=8\nquery-aware"
-    assert [t.get_text() for t in ax.texts] == ["0.50\n(n=2)"]
-    width, height = fig.get_size_inches()
-    assert width >= 4 and height >= 3  # a labelled square, not a sliver
+    # 4 cells of 2 samples each, scores 1,0: mean 0.50 in every cell.
+    assert [t.get_text() for t in ax.texts] == ["0.50\n(n=2)"] * 4
+    assert len(ax.images) == 1 and ax.images[0].get_array().shape == (2, 2)
+
+
+def test_one_length_draws_bars_over_the_depths_not_a_one_column_heatmap():
+    rs = _needle([0.1, 0.25, 0.333333, 0.9], [1000])
+    assert P.needle_shape(rs) == "bars"
+    ax = P.needle_bars_figure(rs, "snapkv").axes[0]
+    assert not ax.images
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.10", "0.25", "0.33", "0.90"]
+    assert [round(p.get_height(), 6) for p in ax.patches] == [1.0, 0.0, 1.0, 0.0]
+    assert [t.get_text() for t in ax.texts] == ["1.00\n(n=1)", "0.00\n(n=1)", "1.00\n(n=1)", "0.00\n(n=1)"]
+    assert ax.get_xlabel() == "needle depth (context length 1000)"
+
+
+def test_one_depth_several_lengths_draws_bars_over_the_lengths():
+    rs = _needle([0.5], [500, 1000, 2000])
+    ax = P.needle_bars_figure(rs, "snapkv").axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["500", "1000", "2000"]
+    assert "needle depth 0.50" in ax.get_xlabel()
+
+
+def test_one_by_one_is_a_sentence_not_a_figure(tmp_path):
+    rs = _needle([0.5], [1000], n=2) + _needle([0.5], [1000], n=2, rule="h2o")
+    assert P.needle_shape(rs) == "none"
+    assert P.needle_note(rs) == ("Needle depth x context length: every needle sample sits at depth 0.50 in a "
+                                 "1000-token context, so there is no depth or length figure: the accuracy tables "
+                                 "above hold the same numbers.")
+    names = P.plot(rs, tmp_path)
+    assert not [n for n in names if n.startswith(("heatmap_", "needle_"))]
+    assert P.needle_note(_needle([0.25, 0.75], [1000])) is None  # a figure is drawn: no sentence
+
+
+def test_report_says_the_one_cell_sentence_under_its_plots(tmp_path):
+    from fxbudget.harness import report as R
+
+    rs = _needle([0.5], [1000], n=2) + _needle([0.5], [1000], n=2, rule="h2o")
+    text = R.markdown(rs, ["accuracy_vs_budget.png"])
+    assert text.rstrip().endswith("the accuracy tables above hold the same numbers.")
 
 
 def test_plot_writes_the_files_it_returns(tmp_path):
-    names = P.plot(_rows(2), tmp_path)
-    assert names == ["accuracy_vs_budget.png", "likelihood_vs_budget.png", "heatmap_h2o.png", "heatmap_snapkv.png",
-                     "heatmap_streamingllm.png"] or sorted(names) == sorted(p.name for p in tmp_path.iterdir())
+    names = P.plot(_rows(2), tmp_path)  # depths 0.25 and 0.75 at one length: bars
+    assert names[:2] == ["accuracy_vs_budget.png", "likelihood_vs_budget.png"]
+    assert sorted(names[2:]) == ["needle_h2o.png", "needle_snapkv.png", "needle_streamingllm.png"]
+    assert sorted(names) == sorted(p.name for p in tmp_path.iterdir())
     assert all((tmp_path / n).stat().st_size > 0 for n in names)
+    grid = [dict(r, length=1000 + 1000 * (r["sample"] // 2)) for r in _rows(4)]  # 2 depths x 2 lengths
+    (tmp_path / "grid").mkdir()
+    figures = [n for n in P.plot(grid, tmp_path / "grid") if n.startswith(("heatmap_", "needle_"))]
+    assert sorted(figures) == ["heatmap_h2o.png", "heatmap_snapkv.png", "heatmap_streamingllm.png"]

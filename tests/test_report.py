@@ -68,17 +68,85 @@ def test_answers_table_one_per_budget_and_fraction_scores():
     assert "`51573.` 0.50" in section  # neither all nor none of the expected answers
 
 
-def test_reference_row_is_explained_under_the_likelihood_table():
+def test_likelihood_table_keeps_absolute_and_relative_values_in_separate_columns():
     rows = [row("full", s, logprob=-0.008) for s in range(2)] + \
            [row(rule, s, logprob=-1.0) for rule in ("snapkv", "h2o") for s in range(2)]
     table = R.likelihood_table(rows)
-    assert "| full (unmodified model) | abs -0.008 (2) |" in table
-    assert "The `full` row is not a difference: it is the unmodified model's own mean log-prob per answer token " \
-           "(`abs -0.008` = a gold token has probability 0.99 on average" in table
-    assert "| snapkv | -0.992 [-inf, inf] (2) |" in table
-    assert "The `full` row" not in R.likelihood_table(rows, note=False)
-    # Without a reference there is nothing to explain.
-    assert "The `full` row" not in R.likelihood_table([r for r in rows if r["rule"] != "full"])
+    lines = table.splitlines()
+    assert lines[0] == "| rule | B=8: log-prob/token | B=8: Δ vs full |"
+    assert "| full (unmodified model) | -0.008 (2) | — (reference) |" in lines
+    # -1.0 - (-0.008): relative, in its own column; two samples bound nothing, and the cell says why in words.
+    assert "| snapkv | -1.000 (2) | -0.992 (n=2: too few samples for an interval) |" in lines
+    assert "abs " not in table and "inf" not in table
+    assert "`log-prob/token` is absolute: the mean log-prob per gold-answer token (the unmodified model's -0.008 = " \
+           "a gold token has probability 0.99 on average" in table
+    assert "`log-prob/token` is absolute" not in R.likelihood_table(rows, note=False)
+    # Without a reference there is nothing relative: the absolute column alone, no note.
+    alone = R.likelihood_table([r for r in rows if r["rule"] != "full"])
+    assert alone.splitlines()[0] == "| rule | B=8: log-prob/token |" and "Δ" not in alone
+
+
+def test_likelihood_intervals_appear_from_six_samples():
+    rows = [row("full", s, logprob=-0.1) for s in range(6)] + \
+           [row("snapkv", s, logprob=-0.5 - 0.1 * s) for s in range(6)]
+    line = next(x for x in R.likelihood_table(rows).splitlines() if x.startswith("| snapkv"))
+    # Six differences of one sign: the sign-flip test's interval is bounded, and inside the values' range.
+    lo, hi = (float(x) for x in line.split("[")[1].split("]")[0].split(", "))
+    assert -0.9 <= lo < -0.65 < hi <= -0.4 and line.endswith("(6) |")
+
+
+def test_two_samples_say_they_cannot_separate_anything():
+    # 2/2 against 0/2: the largest possible difference, still not separable with two samples; the report says so.
+    rows = [row("full", s) for s in range(2)] + [row("snapkv", s, score=1.0) for s in range(2)] + \
+        [row("streamingllm", s, score=0.0, logprob=-3.0) for s in range(2)]
+    text = R.paired_tables(rows)
+    assert "- by accuracy: highest mean **snapkv**; not separated from it at this sample size: streamingllm" in text
+    assert "- 2 paired samples cannot separate any two of these 2 rules, whatever their scores: the paired test's " \
+           "smallest possible p is 2/2^2 = 0.5, not below 0.05; separating a pair needs at least 6 paired samples" \
+           in text
+    assert text.count("cannot separate any two") == 1  # one sentence, not one per metric
+    assert "inf" not in text
+    # The same sentence under the accuracy table the CLI prints; the per-protocol section leaves it to the pairs.
+    assert "cannot separate any two of these 2 rules" in R.accuracy_table(rows, by_setting=True)
+    assert "cannot separate" not in R.accuracy_table(rows, note=False)
+
+
+def test_three_rules_need_seven_samples_and_separable_sizes_say_nothing():
+    rows = [row(rule, s, score=float(rule == "snapkv")) for rule in ("snapkv", "h2o", "tova") for s in range(6)]
+    text = R.paired_tables(rows)
+    # Six samples: 2/2^6 = 0.031, but Holm over two comparisons makes it 0.0625.
+    assert "6 paired samples cannot separate any two of these 3 rules" in text and "Holm over the 2 comparisons " \
+           "with the top: 0.0625" in text and "needs at least 7 paired samples" in text
+    seven = [row(rule, s, score=float(rule == "snapkv")) for rule in ("snapkv", "h2o", "tova") for s in range(7)]
+    text = R.paired_tables(seven)
+    assert "cannot separate" not in text and "cannot separate" not in R.accuracy_table(seven)
+    assert "- by accuracy: best **snapkv**, separated from every other rule (Holm p < 0.05)" in text
+
+
+def test_best_is_never_named_among_tied_rules():
+    rows = [row(rule, s, score=1.0 if rule != "h2o" else float(s % 2)) for rule in ("snapkv", "tova", "h2o")
+            for s in range(4)]
+    text = R.paired_tables(rows)
+    assert "best **" not in text
+    assert "- by accuracy: no single best: snapkv, tova share the highest mean (1.00)" in text
+    assert "| snapkv | 1.00 [0.40, 1.00] | top (tied) |" in text
+    assert "every rule has the same mean (1.00): no best" in R.paired_tables(
+        [row(rule, s) for rule in ("snapkv", "tova") for s in range(3)])
+
+
+def test_csv_files_hold_no_infinite_bound_and_say_why(tmp_path):
+    d = write_run(tmp_path, [row("full", s, logprob=-0.1) for s in range(2)] +
+                  [row(rule, s, logprob=-1.0 - s) for rule in ("snapkv", "h2o") for s in range(2)])
+    R.report([d])
+    for name in ("summary.csv", "paired.csv"):
+        assert "inf" not in (d / name).read_text(), name
+    summary = {x["rule"]: x for x in csv.DictReader((d / "summary.csv").open())}
+    assert summary["snapkv"]["logprob_delta_lo"] == "" and \
+        summary["snapkv"]["logprob_delta_interval"] == "n=2: too few samples for an interval"
+    paired = [x for x in csv.DictReader((d / "paired.csv").open()) if x["metric"] == "likelihood" and
+              x["rule"] != x["top"]]
+    assert paired and all(x["diff_lo"] == "" and x["diff_interval"].startswith("n=2") for x in paired)
+    assert "inf" not in (d / "report.md").read_text()
 
 
 def test_task_heading_gives_the_context_length_the_rows_record():
@@ -129,7 +197,7 @@ def test_paired_csv_rows_when_two_rules_compare(tmp_path):
     lines = list(csv.DictReader((d / "paired.csv").open()))
     assert {(x["task"], x["metric"], x["rule"]) for x in lines} >= {("all", "accuracy", "snapkv"),
                                                                       ("all", "accuracy", "h2o")}
-    assert all(x["best"] == "snapkv" for x in lines if x["metric"] == "accuracy")
+    assert all(x["top"] == "snapkv" and x["top_tied"] == "False" for x in lines if x["metric"] == "accuracy")
 
 
 @pytest.mark.parametrize("field,values,expected", [
@@ -154,3 +222,21 @@ def test_report_and_plots_do_not_import_each_other():
 @pytest.mark.parametrize("name", ["report", "plots", "stats", "tables", "answers", "grouping"])
 def test_report_modules_stay_under_400_lines(name):
     assert len((ROOT / "fxbudget" / "harness" / f"{name}.py").read_text().splitlines()) < 400
+
+
+def test_search_verdict_prints_no_infinite_interval_and_no_best_among_ties():
+    from fxbudget.harness.search.verdict import verdict
+
+    # Two held-out samples: the likelihood difference has no interval; the verdict says why.
+    rows = [row("found", s, logprob=-0.1) for s in range(2)] + [row("snapkv", s, logprob=-0.9) for s in range(2)]
+    beats, text = verdict(rows, "found", "likelihood")
+    assert beats is False and "inf" not in text and "(n=2: too few samples for an interval)" in text
+    # The searched rule ties with a built-in one at the top: it beats nothing, and no built-in rule is "the best".
+    tied = [row(rule, s, score=1.0) for rule in ("found", "snapkv") for s in range(3)] + \
+        [row("knorm", s, score=0.0) for s in range(3)]
+    beats, text = verdict(tied, "found", "accuracy")
+    assert beats is False and "shares the best mean (1.00) with snapkv" in text
+    below = [row("snapkv", s, score=1.0) for s in range(3)] + [row("tova", s, score=1.0) for s in range(3)] + \
+        [row("found", s, score=0.0) for s in range(3)]
+    beats, text = verdict(below, "found", "accuracy")
+    assert beats is False and "one of the built-in rules sharing the best mean (snapkv, tova)" in text

@@ -5,8 +5,9 @@ import itertools
 import numpy as np
 import pytest
 
-from fxbudget.harness.stats import (binary_diff_interval, bootstrap_ci, clopper_pearson, holm, mean_interval,
-                                    paired_diff, rank, sign_flip_interval, sign_flip_pvalue)
+from fxbudget.harness.stats import (binary_diff_interval, bootstrap_ci, clopper_pearson, holm, leaders, mean_interval,
+                                    no_interval_reason, paired_diff, rank, samples_to_separate,
+                                    separation_sentence, sign_flip_interval, sign_flip_pvalue, smallest_p)
 
 
 @pytest.mark.parametrize("n", [1, 3, 6, 20])
@@ -131,3 +132,45 @@ def test_paired_diff_interval_agrees_with_the_test():
     assert d.p == pytest.approx(2 / 256) and d.hi < 0
     d = paired_diff(np.array([-2.0, -1.5, -2.2, -1.9]), np.zeros(4))
     assert d.method == "sign-flip inversion" and (d.lo, d.hi) == (float("-inf"), float("inf"))
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_smallest_p_is_the_p_of_n_wins_in_n(n):
+    # The closed form against the test itself: every sample won by the same rule is the most extreme pattern.
+    assert smallest_p(n) == pytest.approx(sign_flip_pvalue(np.ones(n)), abs=1e-12)
+    assert smallest_p(n, 3) == pytest.approx(min(1.0, holm([sign_flip_pvalue(np.ones(n))] * 3)[0]), abs=1e-12)
+
+
+@pytest.mark.parametrize("comparisons, alpha", [(1, 0.05), (2, 0.05), (3, 0.05), (5, 0.05), (1, 0.01), (7, 0.1)])
+def test_samples_to_separate_is_the_first_size_the_ranking_can_split(comparisons, alpha):
+    need = samples_to_separate(comparisons, alpha)
+    for n, separable in ((need - 1, False), (need, True)):
+        # The top rule wins every sample against `comparisons` rivals that lose every one.
+        values = {"top": np.ones(n), **{f"r{i}": np.zeros(n) for i in range(comparisons)}}
+        tiers = {r.tier for r in rank(values, alpha=alpha)}
+        assert (tiers != {1}) is separable, (n, tiers)
+
+
+def test_separation_sentence_only_where_nothing_can_be_separated():
+    assert separation_sentence(2, 4) == (
+        "2 paired samples cannot separate any two of these 4 rules, whatever their scores: the paired test's "
+        "smallest possible p is 2/2^2 = 0.5; Holm over the 3 comparisons with the top: 1, not below 0.05; "
+        "separating a pair needs at least 7 paired samples, every one won by the same rule.")
+    assert separation_sentence(5, 2).startswith("5 paired samples cannot") and "at least 6 paired" in \
+        separation_sentence(5, 2)
+    assert separation_sentence(6, 2) is None and separation_sentence(7, 4) is None
+    assert separation_sentence(1, 1) is None  # nothing to compare
+
+
+def test_unbounded_intervals_are_flagged_with_a_reason():
+    iv = mean_interval([-0.5, -0.7], paired=True)
+    assert not iv.bounded and no_interval_reason(iv.n) == "n=2: too few samples for an interval"
+    assert mean_interval([-0.5, -0.7, -0.6, -0.4, -0.65, -0.55], paired=True).bounded
+    assert mean_interval([0, 1]).bounded  # Clopper-Pearson is bounded at any size
+    assert not paired_diff(np.array([1.0, 2.0]), np.zeros(2)).bounded
+
+
+def test_leaders_are_the_rules_sharing_the_top_mean():
+    assert leaders(rank({"a": np.ones(4), "b": np.ones(4), "c": np.zeros(4)})) == ["a", "b"]
+    assert leaders(rank({"a": np.ones(4), "b": np.r_[1.0, 1, 1, 0]})) == ["a"]
+    assert leaders([]) == []

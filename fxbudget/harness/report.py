@@ -15,7 +15,7 @@ from .grouping import (METRICS, budget_label, budgets, by, logprob_delta, mean_o
                        reference_logprobs, rule_order, sample_id, setting, settings, unequal_samples)
 from .results import read_rows
 from .runner import REFERENCE
-from .stats import mean_interval
+from .stats import leaders, mean_interval, no_interval_reason
 from .tables import accuracy_table, cost_table, likelihood_table, mean_mib, paired, paired_tables
 
 # Names other modules import from here (cli, search, tests); they live in the modules above.
@@ -25,8 +25,10 @@ __all__ = ["GROUP", "METRICS", "PAIRED_FIELDS", "accuracy_table", "budget_label"
 
 # Columns a summary groups by: a protocol, chunk size or backend is never averaged with another.
 GROUP = ("model", "protocol", "chunk_size", "backend", "task", "length", "rule", "budget")
-PAIRED_FIELDS = ("protocol", "chunk_size", "backend", "task", "budget", "metric", "rule", "samples", "mean", "best",
-                 "diff_vs_best", "diff_lo", "diff_hi", "p", "p_holm", "tier")
+# `top`: the rule with the highest mean (ties by name; `top_tied` says when others share it), which every other rule
+# is compared with; `diff_lo`/`diff_hi` are empty where the interval is unbounded, `diff_interval` says why.
+PAIRED_FIELDS = ("protocol", "chunk_size", "backend", "task", "budget", "metric", "rule", "samples", "mean", "top",
+                 "top_tied", "diff_vs_top", "diff_lo", "diff_hi", "diff_interval", "p", "p_holm", "tier")
 
 
 def load_rows(dirs: list[str | Path]) -> list[dict]:
@@ -62,8 +64,10 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "budget_tokens": mean(r["budget"] for r in rs) if rs[0]["budget"] is not None else None,
                     "samples": len(rs), "accuracy": acc.mean, "accuracy_lo": acc.lo, "accuracy_hi": acc.hi,
                     "accuracy_interval": acc.method, "answer_logprob_mean": mean(lp) if lp else None,
-                    "logprob_delta": dv.mean if dv else None, "logprob_delta_lo": dv.lo if dv else None,
-                    "logprob_delta_hi": dv.hi if dv else None,
+                    "logprob_delta": dv.mean if dv else None,
+                    "logprob_delta_lo": dv.lo if dv and dv.bounded else None,
+                    "logprob_delta_hi": dv.hi if dv and dv.bounded else None,
+                    "logprob_delta_interval": _interval_name(dv),
                     "prefill_s": mean(r["prefill_s"] for r in rs), "decode_s": mean(r["decode_s"] for r in rs),
                     "likelihood_s": mean_or_none(r.get("likelihood_s") for r in rs),
                     "output_tokens": mean(r["output_tokens"] for r in rs),
@@ -77,6 +81,13 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _interval_name(iv) -> str | None:
+    """The interval's method, or why there is none (a CSV never holds an infinite bound)."""
+    if iv is None:
+        return None
+    return iv.method if iv.bounded else no_interval_reason(iv.n)
+
+
 def write_csv(lines: list[dict], path: Path, fields: tuple[str, ...] | None = None) -> None:
     """`lines` as CSV at `path`, columns `fields` (default: the first line's keys). With `fields` given, an empty
     `lines` writes the header alone."""
@@ -87,29 +98,32 @@ def write_csv(lines: list[dict], path: Path, fields: tuple[str, ...] | None = No
 
 
 def paired_rows(rows: list[dict]) -> list[dict]:
-    """`paired.csv`: every rule-vs-best comparison, per setting, task (and "all") and budget, for both metrics."""
+    """`paired.csv`: every rule against the top one (highest mean), per setting, task (and "all") and budget, for both
+    metrics."""
     out = []
     for (protocol, chunk, backend), srs in by(rows, "protocol", "chunk_size", "backend").items():
         for task, trs in [("all", srs)] + list(by(srs, "task").items()):
             for metric in METRICS:
                 for b, (n, ranked) in paired(trs, metric).items():
-                    best = ranked[0].rule
+                    top, tied = ranked[0].rule, len(leaders(ranked)) > 1
                     for r in ranked:
                         d = r.vs_best
+                        bounded = d is not None and d.bounded
                         out.append(dict(zip(PAIRED_FIELDS, (
-                            protocol, chunk, backend, task, b, metric, r.rule, n, r.mean, best,
-                            d.mean if d else 0.0, d.lo if d else None, d.hi if d else None, d.p if d else None,
-                            r.p_holm, r.tier))))
+                            protocol, chunk, backend, task, b, metric, r.rule, n, r.mean, top, tied,
+                            d.mean if d else 0.0, d.lo if bounded else None, d.hi if bounded else None,
+                            _interval_name(d), d.p if d else None, r.p_holm, r.tier))))
     return out
 
 
 READING = ("- cells: mean [95% interval] (samples). Accuracy: exact Clopper-Pearson where every score of the cell is "
-           "0/1, else a percentile bootstrap over samples. Log-likelihood: the mean log-prob per gold-answer token "
-           "minus the unmodified model's on the same sample (nats; 0 = no loss), interval by inverting the paired "
-           "sign-flip test (unbounded at <= 5 samples); the `full` row holds the unmodified model's own value, "
-           "marked `abs`. Paired comparisons: sign-flip permutation test on per-sample differences, Holm-adjusted "
-           "over the comparisons with the best; tier 1 = cannot be told apart from the best at this sample size. "
-           "See the documentation, \"Reading a report\" (docs/compare.md).")
+           "0/1, else a percentile bootstrap over samples. Log-likelihood, two columns per budget: `log-prob/token`, "
+           "the absolute mean log-prob per gold-answer token, and `Δ vs full`, that minus the unmodified model's on "
+           "the same sample (nats; 0 = no loss), its interval by inverting the paired sign-flip test (none below 6 "
+           "samples: the cell says so). Paired comparisons: sign-flip permutation test on per-sample differences, "
+           "Holm-adjusted over the comparisons with the top rule (highest mean); tier 1 = cannot be told apart from "
+           "the top at this sample size; \"best\" only for a rule separated from every other one. See the "
+           "documentation, \"Reading a report\" (docs/compare.md).")
 
 
 def _values(rows, key: str) -> str:
@@ -196,8 +210,11 @@ def markdown(rows: list[dict], plots: list[str], sort: str = "accuracy") -> str:
             parts += ["### answers per sample", "", DETAILS.format(summary), "", answers_tables(crs, sort), "",
                       "</details>", ""]
             parts += ["### cost (mean per sample)", "", cost_table(crs, sort)]
-    if plots:
-        parts += ["", "## plots", ""] + [f"![{p}]({p})" for p in plots]
+    from .plots import needle_note  # no matplotlib at import: the plots module imports it where it draws
+
+    note = needle_note(rows)
+    if plots or note:
+        parts += ["", "## plots", ""] + [f"![{p}]({p})" for p in plots] + ([""] + [note] if note else [])
     return "\n".join(parts) + "\n"
 
 
@@ -206,10 +223,12 @@ DETAILS = '<details markdown="1"><summary>{}</summary>'
 
 
 def _section(rows, sort, title, details=False) -> list[str]:
-    parts = [f"### {title}", "", "accuracy:", "", accuracy_table(rows, sort), ""]
+    # The sentence on what the sample size can separate is in the paired comparisons below, not under this table.
+    parts = [f"### {title}", "", "accuracy:", "", accuracy_table(rows, sort, note=False), ""]
     lik = likelihood_table(rows, sort)
     if lik:
-        parts += ["answer log-likelihood per token, rule minus the unmodified model (nats):", "", lik, ""]
+        parts += ["answer log-likelihood per token (nats): absolute, and the rule minus the unmodified model:", "",
+                  lik, ""]
     pairs = paired_tables(rows, sort)
     if pairs:
         if details:

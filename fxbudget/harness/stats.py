@@ -12,8 +12,12 @@
   with the +1 correction). The interval of `mean(d)` agrees with that test: the shifts the test does not reject
   (unbounded at five samples or fewer), or, for 0/1 scores, Clopper-Pearson intervals of the two discordant
   proportions (Bonferroni-combined).
-- Ranking: the best rule (highest mean) is compared with every other one, p-values Holm-adjusted over those
-  comparisons; the rules not separated from it at `alpha` form tier 1, and the procedure repeats on the rest.
+- Ranking: the top rule (highest mean; ties by name) is compared with every other one, p-values Holm-adjusted over
+  those comparisons; the rules not separated from it at `alpha` form tier 1, and the procedure repeats on the rest.
+- What a sample size can show at all: with n paired samples the sign-flip test's smallest p is 2/2^n (every
+  difference non-zero and of one sign), Holm multiplies it by the number of comparisons; `smallest_p` and
+  `samples_to_separate` say whether a pair can be separated and from how many samples on, `no_interval_reason` why
+  an interval is unbounded (a report prints that sentence, never `[-inf, inf]`).
 
 Every random draw uses a fixed seed, so a report is reproducible bit for bit.
 """
@@ -91,15 +95,41 @@ def bootstrap_ci(x, level: float = LEVEL, n_boot: int = N_BOOT, seed: int = SEED
     return float(lo), float(hi)
 
 
+def smallest_p(n: int, comparisons: int = 1) -> float:
+    """The smallest Holm-adjusted p the two-sided sign-flip test can reach with `n` paired samples and
+    `comparisons` comparisons in the family: `comparisons x 2 / 2^n` (at most 1)."""
+    return min(1.0, comparisons * 2.0 ** (1 - n)) if n >= 1 else 1.0
+
+
+def samples_to_separate(comparisons: int = 1, alpha: float = ALPHA) -> int:
+    """The fewest paired samples at which the sign-flip test, Holm-adjusted over `comparisons`, can reject at
+    `alpha` (every sample won by the same rule): 6 for one comparison at 0.05, 7 for two or three."""
+    n = 1
+    while smallest_p(n, comparisons) >= alpha:
+        n += 1
+    return n
+
+
+def no_interval_reason(n: int) -> str:
+    """Why a sign-flip interval of `n` paired values is unbounded, in the words a report prints instead of it."""
+    return f"n={n}: too few samples for an interval"
+
+
 @dataclass(frozen=True)
 class Interval:
-    """A mean with its interval; `method` is "clopper-pearson" or "bootstrap"."""
+    """A mean with its interval; `method` is "clopper-pearson", "bootstrap" or "sign-flip inversion" (the last is
+    unbounded, `bounded` False, at five paired samples or fewer)."""
 
     mean: float
     lo: float
     hi: float
     n: int
     method: str
+
+    @property
+    def bounded(self) -> bool:
+        """Both ends finite (a report prints `no_interval_reason(n)` otherwise)."""
+        return math.isfinite(self.lo) and math.isfinite(self.hi)
 
 
 def mean_interval(scores, level: float = LEVEL, *, paired: bool = False) -> Interval:
@@ -229,6 +259,11 @@ class PairedDiff:
     n: int
     method: str
 
+    @property
+    def bounded(self) -> bool:
+        """Both ends finite (a report prints `no_interval_reason(n)` otherwise)."""
+        return math.isfinite(self.lo) and math.isfinite(self.hi)
+
 
 def paired_diff(a, b, level: float = LEVEL) -> PairedDiff:
     """Compare two rules on the same samples (`a[i]` and `b[i]` are the same sample).
@@ -252,8 +287,8 @@ def paired_diff(a, b, level: float = LEVEL) -> PairedDiff:
 
 @dataclass(frozen=True)
 class Ranked:
-    """One rule in a ranking: its mean, the paired difference to the best rule (None for the best itself), the
-    Holm-adjusted p of that difference, and its tier (1 = not separated from the best)."""
+    """One rule in a ranking: its mean, the paired difference to the top rule (None for the top itself), the
+    Holm-adjusted p of that difference, and its tier (1 = not separated from the top)."""
 
     rule: str
     mean: float
@@ -292,3 +327,29 @@ def rank(values: dict[str, np.ndarray], alpha: float = ALPHA, level: float = LEV
         remaining = [r for r in rest if r not in same]
         tier += 1
     return [Ranked(r, float(np.mean(values[r])), diffs.get(r), p_holm.get(r), tiers[r]) for r in order]
+
+
+def leaders(ranked: list[Ranked]) -> list[str]:
+    """The rules of a `rank` result that share the highest mean (one name when a single rule is ahead)."""
+    if not ranked:
+        return []
+    top = ranked[0].mean
+    return [r.rule for r in ranked if abs(r.mean - top) <= 1e-12 * max(1.0, abs(top))]
+
+
+def separation_sentence(n: int, rules: int, alpha: float = ALPHA) -> str | None:
+    """One sentence when `n` paired samples cannot separate any two of `rules` rules (the sign-flip test's smallest
+    Holm-adjusted p, over the `rules - 1` comparisons with the top, is at least `alpha`), saying how many would;
+    None when a pair can be separated (or there is nothing to compare)."""
+    if rules < 2:
+        return None
+    m = rules - 1
+    p = smallest_p(n, m)
+    if p < alpha:
+        return None
+    need = samples_to_separate(m, alpha)
+    holm_part = f"; Holm over the {m} comparisons with the top: {p:.3g}" if m > 1 else ""
+    return (f"{n} paired sample{'s' if n != 1 else ''} cannot separate any two of these {rules} rules, whatever "
+            f"their scores: the paired test's smallest possible p is 2/2^{n} = {2.0 ** (1 - n):.3g}{holm_part}, "
+            f"not below {alpha:g}; separating a pair needs at least {need} paired samples, every one won by the same "
+            "rule.")

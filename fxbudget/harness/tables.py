@@ -12,7 +12,7 @@ import numpy as np
 from .grouping import (METRICS, budget_label, budget_order, budgets, logprob_delta, mean_or_none, metric_values,
                        reference_logprobs, rule_order, sample_id, setting, settings)
 from .runner import REFERENCE
-from .stats import mean_interval, rank
+from .stats import leaders, mean_interval, no_interval_reason, rank, separation_sentence
 
 
 def _columns(rows, by_setting: bool) -> list[tuple[str, str | None, object]]:
@@ -36,48 +36,90 @@ def rule_name(rule: str) -> str:
 
 
 def interval(iv, digits: int = 2) -> str:
-    """`mean [lo, hi]` of a `stats.Interval` or `stats.PairedDiff`."""
+    """`mean [lo, hi]` of a `stats.Interval` or `stats.PairedDiff`; without finite ends `mean (n=2: too few samples
+    for an interval)`: an unbounded interval is said in words, never printed as `[-inf, inf]`."""
+    if not iv.bounded:
+        return f"{iv.mean:.{digits}f} ({no_interval_reason(iv.n)})"
     return f"{iv.mean:.{digits}f} [{iv.lo:.{digits}f}, {iv.hi:.{digits}f}]"
 
 
-def _rule_table(rows: list[dict], sort: str, by_setting: bool, cell) -> str:
-    """Markdown: one line per rule (in `sort` order), one column per budget (and setting); `cell(rule, rows)` writes
-    the cell of that rule's rows in a column."""
+def cell(iv, digits: int = 2) -> str:
+    """A table cell: `mean [lo, hi] (samples)`, or `interval`'s sentence (which names the samples) when unbounded."""
+    return interval(iv, digits) + (f" ({iv.n})" if iv.bounded else "")
+
+
+def _rule_table(rows: list[dict], sort: str, by_setting: bool, cell_of, headers=("",)) -> str:
+    """Markdown: one line per rule (in `sort` order), per budget (and setting) column one column per entry of
+    `headers` (appended to the column's name); `cell_of(rule, rows)` writes that rule's cells of a column (one per
+    header)."""
     cols = _columns(rows, by_setting)
-    lines = ["| rule | " + " | ".join(c[0] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    names = [c[0] + h for c in cols for h in headers]
+    lines = ["| rule | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for rule in rule_order(rows, sort):
-        cells = [cell(rule, _cells(rows, rule, col)) for col in cols]
+        cells = [x for col in cols for x in _as_list(cell_of(rule, _cells(rows, rule, col)), len(headers))]
         lines.append(f"| {rule_name(rule)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def accuracy_table(rows: list[dict], sort: str = "accuracy", *, by_setting: bool = False) -> str:
-    """Markdown: mean score [95% interval] (samples) per rule (rows) x budget (columns) over `rows`; the reference
-    row spans all budgets. `by_setting` puts the protocols (settings) side by side."""
-    def cell(rule, rs) -> str:
-        return f"{interval(mean_interval([r['score'] for r in rs]))} ({len(rs)})" if rs else ""
+def _as_list(value, n: int) -> list[str]:
+    return list(value) if isinstance(value, (list, tuple)) else [value] + [""] * (n - 1)
 
-    return _rule_table(rows, sort, by_setting, cell)
+
+def accuracy_table(rows: list[dict], sort: str = "accuracy", *, by_setting: bool = False,
+                   note: bool = True) -> str:
+    """Markdown: mean score [95% interval] (samples) per rule (rows) x budget (columns) over `rows`; the reference
+    row spans all budgets. `by_setting` puts the protocols (settings) side by side.
+
+    Args:
+        note: add `separation_note` under the table (after a blank line) when some column's sample size cannot
+            separate any two rules.
+    """
+    def cell_of(rule, rs) -> str:
+        return cell(mean_interval([r["score"] for r in rs])) if rs else ""
+
+    table = _rule_table(rows, sort, by_setting, cell_of)
+    text = separation_note(rows, "accuracy", by_setting) if note else None
+    return table + (f"\n\n{text}" if text else "")
+
+
+def separation_note(rows: list[dict], metric: str = "accuracy", by_setting: bool = False) -> str | None:
+    """One sentence (`stats.separation_sentence`) for the columns (budget, and setting when `by_setting`) whose
+    paired samples cannot separate any two budgeted rules by `metric`; None when every column can."""
+    found = {}
+    for header, s, b in _columns(rows, by_setting):
+        rs = [r for r in rows if s is None or setting(r) == s]
+        got = paired(rs, metric).get(b)
+        if got is not None:
+            n, ranked = got
+            text = separation_sentence(n, len(ranked))
+            if text:
+                found.setdefault(text, []).append(header)
+    if not found:
+        return None
+    if len(found) == 1 and len(next(iter(found.values()))) == len(_columns(rows, by_setting)):
+        return next(iter(found))
+    return " ".join(f"{', '.join(headers)}: {text}" for text, headers in found.items())
 
 
 def reference_note(rows: list[dict]) -> str | None:
-    """One sentence saying what the reference row of a likelihood table holds, with its value over `rows` as the
-    example (None without reference rows that have the metric)."""
+    """What the two kinds of likelihood column hold, with the unmodified model's value over `rows` as the example
+    (None without reference rows that have the metric)."""
     own = metric_values([r for r in rows if r["rule"] == REFERENCE], "likelihood")
     if not own:
         return None
     m = mean(own)
-    return (f"The `full` row is not a difference: it is the unmodified model's own mean log-prob per answer token "
-            f"(`abs {m:.3f}` = a gold token has probability {math.exp(m):.2f} on average, geometric mean); every "
-            "other row is the rule minus that value on the same sample (0 = no loss, -0.69 = each answer token half "
-            "as likely).")
+    return (f"`log-prob/token` is absolute: the mean log-prob per gold-answer token (the unmodified model's {m:.3f} "
+            f"= a gold token has probability {math.exp(m):.2f} on average, geometric mean). `Δ vs full` is relative: "
+            "the rule minus the unmodified model on the same sample (0 = no loss, -0.69 = each answer token half as "
+            "likely); its interval inverts the paired sign-flip test, which bounds nothing below 6 samples.")
 
 
 def likelihood_table(rows: list[dict], sort: str = "accuracy", *, by_setting: bool = False,
                      note: bool = True) -> str | None:
-    """Markdown: per rule x budget, the mean over samples of the answer's mean log-prob per token minus the
-    unmodified model's on the same sample [95% interval] (samples); the reference row shows its own mean log-prob
-    per token, marked `abs`. Without reference rows, every cell is the absolute value.
+    """Markdown: per rule x budget, two columns: `log-prob/token`, the mean over samples of the answer's mean
+    log-prob per token (absolute), and `Δ vs full`, the mean of that minus the unmodified model's on the same sample
+    [95% interval] (samples) (relative; the reference row's is `—`). Without reference rows, only the absolute
+    columns.
 
     Args:
         note: add `reference_note` under the table (after a blank line).
@@ -88,15 +130,18 @@ def likelihood_table(rows: list[dict], sort: str = "accuracy", *, by_setting: bo
         return None
     refs = reference_logprobs(rows)
 
-    def cell(rule, rs) -> str:
-        if rule == REFERENCE or not refs:
-            values = metric_values(rs, "likelihood")
-            own = "abs " if refs else ""  # the reference's (or, without one, every rule's) own value
-            return f"{own}{mean(values):.3f} ({len(values)})" if values else ""
-        values = [d for d in (logprob_delta(r, refs) for r in rs) if d is not None]
-        return f"{interval(mean_interval(values, paired=True), 3)} ({len(values)})" if values else ""
+    def cell_of(rule, rs) -> list[str]:
+        values = metric_values(rs, "likelihood")
+        own = f"{mean(values):.3f} ({len(values)})" if values else ""
+        if not refs:
+            return [own]
+        if rule == REFERENCE:
+            return [own, "— (reference)" if values else ""]
+        deltas = [d for d in (logprob_delta(r, refs) for r in rs) if d is not None]
+        return [own, cell(mean_interval(deltas, paired=True), 3) if deltas else ""]
 
-    table = _rule_table(rows, sort, by_setting, cell)
+    headers = (": log-prob/token", ": Δ vs full") if refs else (": log-prob/token",)
+    table = _rule_table(rows, sort, by_setting, cell_of, headers)
     text = reference_note(rows) if note else None
     return table + (f"\n\n{text}" if text else "")
 
@@ -120,19 +165,36 @@ def paired(rows: list[dict], metric: str) -> dict:
     return out
 
 
-def _diff_cells(ranked: dict, rule: str, digits: int) -> list[str]:
+def _diff_cells(ranked: dict, rule: str, digits: int, tied: bool) -> list[str]:
     r = ranked.get(rule)
     if r is None:
         return ["-", "-", "-"]
     if r.vs_best is None:
-        return ["best", "", str(r.tier)]
+        return ["top (tied)" if tied else "top", "", str(r.tier)]
     return [interval(r.vs_best, digits), f"{r.p_holm:.3f}", str(r.tier)]
 
 
+def verdict(metric: str, ranked: list) -> str:
+    """One line on a ranking (`stats.rank`): "best" only for a rule ahead of every other one at this sample size;
+    a lead that is not separated says "highest mean", a lead shared by several rules says "no single best"."""
+    digits = 2 if metric == "accuracy" else 3
+    if len({r.mean for r in ranked}) == 1:
+        return f"- by {metric}: every rule has the same mean ({ranked[0].mean:.{digits}f}): no best"
+    top, lead = ranked[0].rule, leaders(ranked)
+    same = [r.rule for r in ranked[1:] if r.tier == 1]
+    if len(lead) > 1:
+        return (f"- by {metric}: no single best: {', '.join(lead)} share the highest mean ({ranked[0].mean:.{digits}f}); "
+                f"not separated from {top} at this sample size: {', '.join(same) if same else 'none'}")
+    if same:
+        return f"- by {metric}: highest mean **{top}**; not separated from it at this sample size: {', '.join(same)}"
+    return f"- by {metric}: best **{top}**, separated from every other rule (Holm p < 0.05)"
+
+
 def paired_tables(rows: list[dict], sort: str = "accuracy", heading: str = "####") -> str:
-    """Markdown: for each budget, the rules ranked by `sort`, each against the best one by accuracy and by answer
-    log-likelihood: paired difference [95% bootstrap interval], sign-flip permutation p (Holm-adjusted over the
-    comparisons with the best), tier (1 = cannot be told apart from the best at this sample size)."""
+    """Markdown: for each budget, the rules ranked by `sort`, each against the top one by accuracy and by answer
+    log-likelihood: paired difference [95% interval], sign-flip permutation p (Holm-adjusted over the comparisons
+    with the top), tier (1 = cannot be told apart from the top at this sample size); a line per metric on who leads
+    (`verdict`) and, when the sample size cannot separate any pair, the sentence saying so."""
     acc, lik = paired(rows, "accuracy"), paired(rows, "likelihood")
     refs = reference_logprobs(rows)
     parts = []
@@ -145,23 +207,26 @@ def paired_tables(rows: list[dict], sort: str = "accuracy", heading: str = "####
         order += sorted((set(ranks["accuracy"]) | set(ranks["likelihood"])) - set(order))
         n = max(acc.get(b, (0,))[0], lik.get(b, (0,))[0])
         parts += [f"{heading} B={b}: {n} paired samples", ""]
-        for metric in ("accuracy", "likelihood"):
-            ranked = list(ranks[metric].values())
-            if ranked and len({r.mean for r in ranked}) == 1:
-                parts.append(f"- by {metric}: every rule has the same mean ({ranked[0].mean:.3g})")
-            elif ranked:
-                ties = [r.rule for r in ranked[1:] if r.tier == 1]
-                parts.append(f"- by {metric}: best **{ranked[0].rule}**; not separated from it at this sample size: "
-                             f"{', '.join(ties) if ties else 'none'}")
-        parts += ["", "| rule | accuracy [95% CI] | Δ vs best | p (Holm) | tier | log-lik/token vs full | Δ vs best "
+        notes = []
+        for metric, got in (("accuracy", acc.get(b)), ("likelihood", lik.get(b))):
+            if got:
+                parts.append(verdict(metric, got[1]))
+                text = separation_sentence(got[0], len(got[1]))
+                if text and text not in notes:
+                    notes.append(text)
+        parts += [f"- {text}" for text in notes]
+        tied = {m: len(leaders(list(ranks[m].values()))) > 1 for m in ranks}
+        parts += ["", "| rule | accuracy [95% CI] | Δ vs top | p (Holm) | tier | log-lik/token vs full | Δ vs top "
                   "| p (Holm) | tier |", "|---" * 9 + "|"]
         for rule in order:
             rs = [r for r in rows if r["rule"] == rule and budget_label(r) == b]
             acc_cell = interval(mean_interval([r["score"] for r in rs])) if rs else "-"
             deltas = [d for d in (logprob_delta(r, refs) for r in rs) if d is not None]
             lik_cell = f"{mean(deltas):.3f}" if deltas else "-"
-            parts.append(f"| {rule} | {acc_cell} | " + " | ".join(_diff_cells(ranks["accuracy"], rule, 2)) +
-                         f" | {lik_cell} | " + " | ".join(_diff_cells(ranks["likelihood"], rule, 3)) + " |")
+            parts.append(f"| {rule} | {acc_cell} | " + " | ".join(_diff_cells(ranks["accuracy"], rule, 2,
+                                                                                tied["accuracy"])) +
+                         f" | {lik_cell} | " + " | ".join(_diff_cells(ranks["likelihood"], rule, 3,
+                                                                       tied["likelihood"])) + " |")
         parts.append("")
     return "\n".join(parts).rstrip()
 
