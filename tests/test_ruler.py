@@ -131,7 +131,8 @@ def _niah_parts(s, singular, kind):
          f"about the {what} afterwards.\n")
     assert full.startswith(head)
     q = re.fullmatch(r"\nWhat (?:is|are all) the special magic \w+ for (.+) mentioned in the provided text\? "
-                     r"The special magic \w+ for (.+) mentioned in the provided text (?:is|are)", full[len(s.context) - 1:])
+                     r"The special magic \w+ for (.+) mentioned in the provided text (?:is|are)",
+                     full[len(s.context) - 1:])
     assert q and q.group(1) == q.group(2)
     tail = (f"\nWhat is the special magic {what} for {q.group(1)} mentioned in the provided text? The special magic "
             f"{what} for {q.group(1)} mentioned in the provided text is") if singular else \
@@ -170,9 +171,9 @@ def test_niah_needle_haystack(tok, data, task, kind, key_re, value_re):
     assert [m.group(2) for m in parsed if m.group(1) == key] == s.answers  # the asked key: once, with its answer
 
 
-@pytest.mark.parametrize("task,singular,nk,nv,nq", [("niah_single_2", True, 1, 1, 1), ("niah_single_3", True, 1, 1, 1),
-                                                    ("niah_multikey_1", True, 4, 1, 1), ("niah_multivalue", False, 1, 4, 1),
-                                                    ("niah_multiquery", False, 4, 1, 4)])
+@pytest.mark.parametrize("task,singular,nk,nv,nq", [
+    ("niah_single_2", True, 1, 1, 1), ("niah_single_3", True, 1, 1, 1), ("niah_multikey_1", True, 4, 1, 1),
+    ("niah_multivalue", False, 1, 4, 1), ("niah_multiquery", False, 4, 1, 4)])
 def test_niah_essay(tok, data, task, singular, nk, nv, nq):
     s = gen(task, tok, 4096, data)
     kind = "uuids" if task == "niah_single_3" else "numbers"
@@ -299,7 +300,8 @@ def test_fit_finds_the_largest_haystack():
     for n in (30, 57, 100, 1000):
         k, text, tokens = fit(build, Words(), n, 7, 5, "t")
         assert tokens == k + 2 == n - 7 and text == build(k)
-    with pytest.raises(ValueError, match=r"^too short for t: .* takes 14 tokens with this tokenizer; give at least 14$"):
+    with pytest.raises(ValueError, match=r"^too short for t: .* takes 14 tokens with this tokenizer; "
+                                         r"give at least 14$"):
         fit(build, Words(), 13, 7, 5, "t")
 
 

@@ -5,10 +5,10 @@ Task names are ``ruler:<name>`` with RULER's names (``scripts/synthetic.yaml``);
 Each generator is ``fn(tokenizer, n_tokens, *, depth=0.5, seed=0, data_dir=None) -> Sample`` like FlexBudget's own
 tasks: `n_tokens` is RULER's ``max_seq_length`` (the whole prompt without a chat template, plus the tokens the task
 generates), the haystack grown to the largest that fits (RULER's binary search); `depth` is ignored (RULER draws the
-positions). The 8 tasks with a noise or needle haystack, vt, cwe and fwe are generated offline from the seed; the
-essay-haystack needle tasks and qa_1 / qa_2 read the user's copy of RULER's files (:mod:`.data`), refused in one
-line when missing. Scoring: ``string_match_all`` (niah, vt, cwe, fwe) or ``string_match_part`` (qa), per
-:mod:`.scoring`, after RULER's post-processing.
+positions). Six tasks are generated offline from the seed (:data:`OFFLINE_TASKS`: the three needle tasks with a
+noise or needle haystack, vt, cwe, fwe); the five essay-haystack needle tasks and qa_1 / qa_2 read the user's copy
+of RULER's files (:mod:`.data`), refused in one line when missing. Scoring: ``string_match_all`` (niah, vt, cwe,
+fwe) or ``string_match_part`` (qa), per :mod:`.scoring`, after RULER's post-processing.
 
 One module per RULER script: :mod:`.niah`, :mod:`.variable_tracking`, :mod:`.common_words`, :mod:`.freq_words`,
 :mod:`.qa`; RULER's strings in :mod:`.templates`.
