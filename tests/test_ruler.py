@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fxbudget.harness.tasks import TASKS, chat_ids, make_samples, score
-from fxbudget.harness.tasks.ruler import OFFLINE_TASKS, RULER_TASKS, expand_tasks, question_start
+from fxbudget.harness.tasks.ruler import OFFLINE_TASKS, RULER_TASKS, expand_tasks, find_question, question_start
 from fxbudget.harness.tasks.ruler.fit import fit
 from fxbudget.harness.tasks.ruler.freq_words import counts, zeta
 
@@ -67,6 +67,11 @@ def gen(task, tok, n, data, seed=1):
     return TASKS[f"ruler:{task}"](tok, n, seed=seed, data_dir=data)
 
 
+def test_find_question_without_the_family():
+    assert find_question("no question here") == -1
+    assert find_question("ctx Question: What are the 10 most common words in the above list? Answer: x") == 4
+
+
 def test_registry_and_suite():
     assert list(RULER_TASKS) == [f"ruler:{n}" for n in NAMES] and set(RULER_TASKS) <= set(TASKS)
     assert expand_tasks(["ruler"]) == [f"ruler:{n}" for n in NAMES]
@@ -113,7 +118,7 @@ def test_kvpress_split_and_length(tok, data, task):
     s = gen(task, tok, 4096, data)
     family = task.split("_")[0]
     full = prompt(s)
-    assert question_start(full, s.meta["family"]) == len(s.context)
+    assert question_start(full, s.meta["family"]) == len(s.context) == find_question(full)
     assert (s.question + s.answer_prefix).index(KVPRESS_ANSWER[family]) == len(s.question)
     assert s.question.endswith(" ") and not s.answer_prefix.startswith(" ")
     assert count(tok, full) + GENERATE[family] <= 4096 and count(tok, full) > 0.9 * 4096 - GENERATE[family]

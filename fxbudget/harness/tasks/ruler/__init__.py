@@ -68,6 +68,14 @@ def question_start(prompt: str, family: str) -> int:
     return starts[-1] if starts else -1
 
 
+def find_question(prompt: str) -> int:
+    """Where the question of a RULER prompt of any family starts, -1 if no family's marker is in it: the last match of
+    the family whose last match comes latest. For a caller that does not know the family (lm-eval's ``ruler`` tasks
+    hand over the whole prompt; ``python -m fxbudget.lmeval --tasks ruler`` could cut here without a hand-written
+    ``question_marker``)."""
+    return max(question_start(prompt, family) for family in FAMILIES)
+
+
 __all__ = ["CONFIGS", "DATA_ENV", "FAMILIES", "OFFLINE_TASKS", "PREFIX", "RULER_TASKS", "SUITE", "check_task",
-           "expand_tasks", "needs_files", "postprocess", "question_start", "ruler_score", "string_match_all",
-           "string_match_part"]
+           "expand_tasks", "find_question", "needs_files", "postprocess", "question_start", "ruler_score",
+           "string_match_all", "string_match_part"]
