@@ -367,3 +367,19 @@ def test_scoring_matches_ruler(tok, data):
     single = gen("niah_single_1", tok, 1024, data)
     n = single.answers[0]
     assert score(single, f"  {n}\x00 ") == 1.0 and score(single, f"{n[:3]}\x07{n[3:]}") == 0.0
+
+
+@pytest.mark.parametrize("task", OFFLINE_TASKS)
+def test_likelihood_answer_continues_the_prompt(tok, task):
+    """The likelihood metric's gold continuation: RULER's answers joined, tokenized as the prompt + answer would be."""
+    from fxbudget.harness.tasks import answer_ids, answer_text
+
+    s = TASKS[task](tok, 1024, seed=1)
+    _, question = chat_ids(tok, s)
+    text = answer_text(tok, s)
+    assert text.strip() == ", ".join(s.answers) and score(s, text) == 1.0
+    if s.answer_prefix.endswith(" "):  # vt: RULER's prompt ends in a space, the model continues after that token
+        assert text == ", ".join(s.answers) and tok.decode(question[0][-1:]) == " " and task == "ruler:vt"
+        return
+    joint = tok(tok.decode(question[0]) + text, add_special_tokens=False).input_ids
+    assert joint == question[0].tolist() + answer_ids(tok, s)[0].tolist()
