@@ -25,6 +25,7 @@ from .jsonl import FIELDS as TASK_FILE_FIELDS, load_jsonl
 from .niah import niah_multikey, niah_multiquery, niah_multivalue, niah_single
 from .passkey import passkey
 from .prompt import answer_ids, answer_text, chat_ids, score
+from .ruler import RULER_TASKS, SUITE as RULER_SUITE, check_task as _check_ruler_task, expand_tasks
 from .sample import Sample
 from .variable_tracking import variable_tracking
 
@@ -34,6 +35,9 @@ TASKS: dict[str, Callable[..., Sample]] = {
     "common_words": common_words,
 }
 NEEDLE_TASKS: frozenset[str] = frozenset(TASKS) - {"common_words"}
+# RULER's 13 tasks, generated and scored as RULER does (`ruler/`): `ruler:<task>`; the suite name `ruler` expands to
+# all 13 through `expand_tasks`. Not in NEEDLE_TASKS: RULER draws its needles' positions, `depth` does not set them.
+TASKS.update(RULER_TASKS)
 
 
 def make_samples(task: str, tokenizer, n_tokens: int, n: int, *, seed: int = 0) -> list[Sample]:
@@ -42,6 +46,7 @@ def make_samples(task: str, tokenizer, n_tokens: int, n: int, *, seed: int = 0) 
     Raises:
         ValueError: unknown task (the message lists :data:`TASKS`) or `n` not a positive int.
     """
+    _check_ruler_task(task)
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
     if not isinstance(n, int) or n <= 0:
@@ -50,6 +55,7 @@ def make_samples(task: str, tokenizer, n_tokens: int, n: int, *, seed: int = 0) 
     return [TASKS[task](tokenizer, n_tokens, depth=depth(i), seed=seed * 1000 + i) for i in range(n)]
 
 
-__all__ = ["NEEDLE_TASKS", "TASKS", "TASK_FILE_FIELDS", "Sample", "answer_ids", "answer_text", "chat_ids",
-           "common_words", "haystack_sentence", "load_jsonl", "make_samples", "niah_multikey", "niah_multiquery",
-           "niah_multivalue", "niah_single", "passkey", "score", "variable_tracking"]
+__all__ = ["NEEDLE_TASKS", "RULER_SUITE", "RULER_TASKS", "TASKS", "TASK_FILE_FIELDS", "Sample", "answer_ids",
+           "answer_text", "chat_ids", "common_words", "expand_tasks", "haystack_sentence", "load_jsonl",
+           "make_samples", "niah_multikey", "niah_multiquery", "niah_multivalue", "niah_single", "passkey", "score",
+           "variable_tracking"]

@@ -6,7 +6,14 @@ from .sample import Sample
 
 
 def score(sample: Sample, prediction: str) -> float:
-    """Fraction of ``sample.answers`` found in `prediction`, case-insensitively (RULER's ``string_match_all``)."""
+    """Fraction of ``sample.answers`` found in `prediction`, case-insensitively (RULER's ``string_match_all``).
+
+    A sample that names a RULER metric in ``meta["metric"]`` (the ``ruler:`` tasks) is scored as RULER scores it:
+    its prediction post-processed as RULER does, then ``string_match_all`` or ``string_match_part`` (any answer found).
+    """
+    if "metric" in sample.meta:
+        from .ruler.scoring import ruler_score
+        return ruler_score(sample.meta["metric"], prediction, sample.answers)
     found = sum(a.lower() in prediction.lower() for a in sample.answers)
     return found / len(sample.answers)
 
@@ -14,19 +21,23 @@ def score(sample: Sample, prediction: str) -> float:
 def chat_ids(tokenizer, sample: Sample):
     """`(context_ids [1, n], question_ids [1, m])`: the prompt split where the question starts.
 
-    The prompt is the chat template's user turn ``context + "\\n\\n" + question`` with the generation prompt, then
-    ``sample.answer_prefix``; without a chat template it is ``f"{context}\\n\\n{question}\\nAnswer: {prefix}"``
-    (trailing space dropped: a lone space token is a poor place to start generating).
+    The prompt is the chat template's user turn ``context + separator + question`` with the generation prompt, then
+    ``sample.answer_prefix``; without a chat template it is ``context + separator + question + plain_suffix +
+    answer_prefix`` (by default ``f"{context}\\n\\n{question}\\nAnswer: {prefix}"``; trailing spaces dropped: a lone
+    space token is a poor place to start generating). The template is applied to the context followed by a marker and
+    the question put where the marker was (kvpress's split), so a template that trims its content cannot move the cut.
     """
-    user = sample.context + "\n\n" + sample.question
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                             add_generation_prompt=True) + sample.answer_prefix
+        mark = "#" * (len(sample.context) + 10)  # kvpress's marker: longer than any run of '#' in the context
+        head, tail = tokenizer.apply_chat_template([{"role": "user", "content": sample.context + mark}],
+                                                   tokenize=False, add_generation_prompt=True).split(mark)
+        ctx_text, question_text = head, sample.separator + sample.question + tail + sample.answer_prefix
     else:
-        text = f"{user}\nAnswer: {sample.answer_prefix}".rstrip(" ")
-    cut = text.index(user) + len(sample.context)
-    ctx = tokenizer(text[:cut], return_tensors="pt", add_special_tokens=False).input_ids
-    question = tokenizer(text[cut:], return_tensors="pt", add_special_tokens=False).input_ids
+        text = (sample.context + sample.separator + sample.question + sample.plain_suffix
+                + sample.answer_prefix).rstrip(" ")
+        ctx_text, question_text = text[:len(sample.context)], text[len(sample.context):]
+    ctx = tokenizer(ctx_text, return_tensors="pt", add_special_tokens=False).input_ids
+    question = tokenizer(question_text, return_tensors="pt", add_special_tokens=False).input_ids
     return ctx, question
 
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Sample:
-    """One prompt: `context` then `question`; the assistant turn starts with `answer_prefix`."""
+    """One prompt: `context`, `separator`, then `question`; the assistant turn starts with `answer_prefix`.
+    Without a chat template the prompt is ``context + separator + question + plain_suffix + answer_prefix``."""
 
     task: str
     context: str
@@ -20,6 +21,8 @@ class Sample:
     seed: int = 0
     max_new_tokens: int = 16
     meta: dict = field(default_factory=dict)
+    separator: str = "\n\n"  # between context and question (RULER's prompts carry their own: "")
+    plain_suffix: str = "\nAnswer: "  # before the answer prefix when there is no chat template (RULER: "")
 
     @property
     def answer(self) -> str:
