@@ -17,6 +17,13 @@ class Wrapper(Rule):
 
     rule: Rule
 
+    def __getattr__(self, name: str):
+        """Anything else the wrapped rule has (its hyperparameters: kvzip's `chunk_size`, read by its protocol), so
+        code that reads a rule's field sees the same value through the wrapper."""
+        if name.startswith("__") or name == "rule":  # copying and pickling probe dunders; `rule` not set yet
+            raise AttributeError(name)
+        return getattr(self.rule, name)
+
     def _check_wrapped(self) -> None:
         if not isinstance(self.rule, Rule):
             raise TypeError(f"{type(self).__name__} wraps a fxbudget.rules.Rule, got {type(self.rule).__name__}")
