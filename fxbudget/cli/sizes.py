@@ -106,15 +106,16 @@ def check_samples(sized: list[tuple], config, model: str, max_new_tokens: int | 
 
 
 def kv_bytes(config, dtype: str, slots: int, *, budgeted: bool) -> int:
-    """Bytes of keys and values a cache of `slots` entries per layer and KV head allocates (sliding-window layers
-    hold their window at most; with `budgeted`, exactly their window, as `BudgetCache` allocates them)."""
+    """Bytes of keys and values a cache of `slots` entries per layer and KV head allocates: with `budgeted`, as
+    `BudgetCache` allocates it (sliding-window layers: exactly their window); else as the unmodified model's own
+    cache holds `slots` tokens (transformers' sliding layers keep at most `window - 1` of them)."""
     from ..layer_config import layer_shapes, layer_windows
 
     n_layers, kv_heads, head_dim, _, _ = layer_shapes(config)
     size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     total = 0
     for window in layer_windows(config):
-        held = slots if not window else (window if budgeted else min(window, slots))
+        held = slots if not window else (window if budgeted else min(window - 1, slots))
         total += 2 * held * kv_heads * head_dim * size
     return total
 
