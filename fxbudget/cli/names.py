@@ -107,5 +107,6 @@ def dtype_name(name: str | None) -> str | None:
     key = DTYPE_ALIASES.get(key, key)
     if key in DTYPES:
         return key
-    raise UsageError(f"--dtype {name}: unknown dtype{did_you_mean(name, [*DTYPES, *DTYPE_ALIASES])}; use one of "
+    hint = did_you_mean(name, DTYPES) or did_you_mean(name, ("bf16", "fp16", "fp32"))
+    raise UsageError(f"--dtype {name}: unknown dtype{hint}; use one of "
                      f"{', '.join(DTYPES)} (or bf16, fp16, fp32)")
