@@ -106,8 +106,8 @@ def _task_options(c, d, *, task_files: bool = True) -> None:
 
     _model_options(c)
     if task_files:
-        c.add_argument("--tasks", type=_names, default=None, help=f"comma-separated, from: {', '.join(TASKS)} "
-                       f"(see `fxbudget tasks`; default: {_joined(d.tasks)}, unless --task-file is given: then only "
+        c.add_argument("--tasks", type=_names, default=None, help=f"comma-separated, from: {', '.join(TASKS)}; "
+                       f"see `fxbudget tasks` (default: {_joined(d.tasks)}, unless --task-file is given: then only "
                        "the files run)")
         fields = "; ".join(f"{k}: {v}" for k, v in TASK_FILE_FIELDS.items())
         c.add_argument("--task-file", action="append", default=[], help="a JSONL task file, one JSON object per "
