@@ -24,7 +24,7 @@ from fxbudget.harness import protocol_note
 from fxbudget.harness.grid import Grid, Unit
 from fxbudget.harness.report import load_rows
 from fxbudget.harness.tasks import TASK_FILE_FIELDS, TASKS, Sample
-from fxbudget.rule_probe import RuleProbeError, signal_names, signals_read
+from fxbudget.rule_probe import signal_names, signals_read
 from fxbudget.rules import available, get
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,7 +171,8 @@ def test_protocol_note_is_derived_from_what_rules_read():
     assert note.startswith("protocol query-agnostic: snapkv, tova choose ") and "--protocol query-aware" in note
     assert protocol_note.run_note(["full", "snapkv"], ["query-agnostic", "query-aware"]) is None
     assert protocol_note.run_note(["full", "h2o", "knorm"], ["query-agnostic"]) is None
-    assert protocol_note.row_note("snapkv", "query-agnostic") and protocol_note.row_note("snapkv", "query-aware") is None
+    assert protocol_note.row_note("snapkv", "query-agnostic")
+    assert protocol_note.row_note("snapkv", "query-aware") is None
     assert protocol_note.row_note("knorm", "query-agnostic") is None
     assert "`query-agnostic` (the default)" in protocol_note.header_note(["query-agnostic", "query-aware"])
 
@@ -190,7 +191,8 @@ def test_cache_bytes_match_the_caches_themselves(arch):
     n = 30  # the unmodified model's own cache after n tokens
     with torch.no_grad():
         out = model(input_ids=torch.randint(0, 96, (1, n)), use_cache=True)
-    assert sizes.kv_bytes(model.config, "float32", n, budgeted=False) == kv_bytes(output_cache(out))["kv_allocated_bytes"]
+    theirs = kv_bytes(output_cache(out))["kv_allocated_bytes"]
+    assert sizes.kv_bytes(model.config, "float32", n, budgeted=False) == theirs
 
 
 def test_rate_constants_are_the_committed_quick_start():

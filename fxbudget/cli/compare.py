@@ -128,7 +128,7 @@ def _run(args, grid, source, place, samples, runner, plan, stages, total) -> int
     else:
         stages.split("running the samples", [("Ray start, workers loading the model, fingerprints",
                                               runner.startup_s)])
-        workers = (f" (worker seconds, summed over {len(runner.workers)} workers in parallel: compile "
+        workers = (f" (worker seconds, summed over {names.plural(len(runner.workers), 'worker')} in parallel: compile "
                    f"{runner.compile_s:.1f} s, run {runner.run_s:.1f} s)")
     from ..harness.report import report
 
