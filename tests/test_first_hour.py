@@ -308,3 +308,17 @@ def test_sigint_in_a_real_process_is_one_line_and_status_130(tiny_dir, tmp_path)
     assert 1 <= saved < 40
     assert re.fullmatch(rf"\[fxbudget\] interrupted: {saved} of 40 rows saved in .*; resume with: fxbudget compare "
                         rf"--model .* --out {re.escape(str(out))}", err.strip().splitlines()[-1]), err
+
+
+def test_ctrl_c_while_the_report_is_written_says_how_to_write_it(tiny_dir, tmp_path, capsys, monkeypatch):
+    from fxbudget.harness import report
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "report", interrupted)
+    out = tmp_path / "run"
+    assert main(["compare", "--model", tiny_dir, *SMALL, "--rules", "full", "--out", str(out)]) == 130
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (f"[fxbudget] interrupted while writing the report: its one row is saved in {out / 'results.jsonl'}; "
+                    f"write it with: fxbudget report {out}"), last

@@ -165,7 +165,12 @@ def _interrupted(args, runner, total: int) -> int:
         left = total
     command = "fxbudget " + shlex.join(args.argv)
     saved = total - left
-    where = f"in {runner.path}" if saved else f"(nothing in {runner.out_dir})"
+    if not left:  # every row was saved: the report was being written
+        rows = "its one row is" if total == 1 else f"all {total} rows are"
+        print(f"[fxbudget] interrupted while writing the report: {rows} saved in {runner.path}; write it with: "
+              f"fxbudget report {shlex.quote(str(args.out))}", file=sys.stderr)
+        return INTERRUPTED
+    where = f"in {runner.path}" if saved else f"(nothing written in {runner.out_dir} yet)"
     print(f"[fxbudget] interrupted: {saved} of {names.plural(total, 'row')} saved {where}; resume with: {command}",
           file=sys.stderr)
     return INTERRUPTED

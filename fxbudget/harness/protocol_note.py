@@ -52,8 +52,8 @@ def run_note(rules: list[str], protocols: list[str], rule_params: dict | None = 
     these = ", ".join(names)
     return (f"protocol {','.join(protocols)}: {these} choose{'s' if len(names) == 1 else ''} with the attention of "
             f"the latest queries, which {'its paper fills' if len(names) == 1 else 'their papers fill'} with the "
-            "question; here the question comes after compression, so expect low scores on retrieval tasks (a fair "
-            "comparison without the question). For their own setting add --protocol query-aware (or run both: "
+            "question; here the context is compressed before the question is seen, so expect low scores on retrieval "
+            "tasks (a fair comparison without the question, not a broken rule). For their own setting add --protocol query-aware (or run both: "
             "--protocol query-agnostic,query-aware)")
 
 
