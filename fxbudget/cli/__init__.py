@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None, *, whole_process: bool | None = None) ->
         print(f"fxbudget {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before `compare` runs rows (it says what it saved itself), or another command
-        print(f"fxbudget {args.command}: interrupted" + (", no results written" if args.command == "compare" else ""),
-              file=sys.stderr)
+        print(f"fxbudget {args.command}: interrupted" + (" before any row ran; nothing written"
+                                                          if args.command == "compare" else ""), file=sys.stderr)
         return 130
 
 
