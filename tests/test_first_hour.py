@@ -322,3 +322,16 @@ def test_ctrl_c_while_the_report_is_written_says_how_to_write_it(tiny_dir, tmp_p
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == (f"[fxbudget] interrupted while writing the report: its one row is saved in {out / 'results.jsonl'}; "
                     f"write it with: fxbudget report {out}"), last
+
+
+def test_ctrl_c_before_any_row_says_nothing_was_written(tiny_dir, tmp_path, capsys, monkeypatch):
+    from fxbudget.cli import preflight
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(preflight, "tokenizer", interrupted)
+    out = tmp_path / "run"
+    assert main(["compare", "--model", tiny_dir, *SMALL, "--rules", "full", "--out", str(out)]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == "fxbudget compare: interrupted before any row ran; nothing written" and not out.exists()
