@@ -224,10 +224,15 @@ def test_grid_tokens_and_estimate_line():
     sized = [(("passkey", 300), sample, 100, 10, 3)]  # context 100, question 10, answer 3 tokens
     todo = [("query-agnostic", "full", None), ("query-agnostic", "snapkv", 32), ("query-agnostic", "snapkv", 64)]
     plan = [(Unit("passkey", 300, 0), todo)]
-    # One shared context prefill, each budgeted row appends its question; the reference prefills context + question.
+    # One shared context prefill, each budgeted row appends its question; the reference prefills context + question;
+    # every row scores its answer in one call and decodes at most max_new_tokens steps.
+    assert sizes.grid_tokens(grid, plan, samples, sized, None) == (100 + 2 * 10 + 110 + 3 * 3, 3 * 5)
+    grid.backend = "inductor"  # compiled: the answer is scored token by token
     assert sizes.grid_tokens(grid, plan, samples, sized, None) == (100 + 2 * 10 + 110, 3 * (5 + 3))
+    grid.backend = None
     line = sizes.estimate_line(grid, [(plan[0][0], todo[:1])], samples, sized, None, "cpu", None)
-    assert line.startswith("1 row on 1 sample: 110 prompt tokens") and "estimated" in line and "estimate:" in line
+    assert line.startswith("1 row on 1 sample: 113 prompt and answer tokens through the model, at most 5 decoding "
+                           "steps; estimated") and "a rough estimate" in line
     assert "no time estimate on cuda:0" in sizes.estimate_line(grid, plan, samples, sized, None, "cuda:0", None)
 
 
@@ -275,8 +280,8 @@ def test_ctrl_c_says_what_is_saved_and_the_rerun_resumes(tiny_dir, tmp_path, cap
     # Before the rows: the budget at or above the context, the estimate, the protocol note.
     assert any(re.match(r"\[fxbudget\] warning: --budgets 400 is at or above the context \(\d+ tokens, passkey at "
                         r"300 tokens\)", line) for line in lines), err
-    assert any(re.match(r"\[fxbudget\] 3 rows on 1 sample: \d+ prompt tokens .*; estimated \d+ s \(a rough "
-                        r"estimate", line) for line in lines), err
+    assert any(re.match(r"\[fxbudget\] 3 rows on 1 sample: \d+ prompt and answer tokens .*; estimated \d+ s \(a "
+                        r"rough estimate", line) for line in lines), err
     assert any(line.startswith("[fxbudget] protocol query-agnostic: snapkv chooses with the attention of the latest "
                                "queries") for line in lines), err
     assert len(load_rows([out])) == 1

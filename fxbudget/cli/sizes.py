@@ -15,9 +15,9 @@ from .names import plural
 from .preflight import UsageError
 
 # The committed quick start (docs/quickstart/results.jsonl: the embedded model, float32, CPU, one thread): the
-# unmodified model's prefill of 1043-token prompts ran at 113 tokens/s; decoding and answer scoring at about 3 steps/s
-# (4.0 tokens/s for the unmodified model, 2.7 for budgeted rules, 11 answer tokens/s scored in one call).
-# tests/test_sizes.py holds these constants within a factor of two of that file.
+# unmodified model's prefill of 1043-token prompts ran at 113 tokens/s; decoding at about 3 steps/s (4.0 tokens/s for
+# the unmodified model, 2.7 for budgeted rules, their question's call included). Answer tokens scored in one call
+# count as prompt tokens. tests/test_first_hour.py holds these constants within a factor of two of that file.
 CPU_PREFILL_TOKENS_S = 113.0
 CPU_DECODE_STEPS_S = 3.0
 # The embedded model's shape (Qwen2.5-Coder-0.5B-Instruct's config), what the rates above were measured on.
@@ -164,9 +164,10 @@ def _compute_params(shape) -> float:
 
 
 def grid_tokens(grid, plan, samples: dict, sized: list[tuple], max_new_tokens: int | None) -> tuple[int, int]:
-    """(tokens prefilled, decode steps) of the rows in `plan`: one prefill per sample and prefilled sequence when
-    rules share it, else one per row; each row appends its question (query-agnostic), decodes its answer and scores
-    the gold answer."""
+    """(tokens through the model in calls of many tokens, decoding steps at most) of the rows in `plan`: one prefill
+    per sample and prefilled sequence when rules share it, else one per row; each row appends its question
+    (query-agnostic), scores the gold answer (one call; token by token under a compiled backend) and decodes at most
+    its answer length (fewer where the model stops)."""
     from ..harness.grid import REFERENCE
 
     by_sample = {id(sample): (ctx, question, answer) for _, sample, ctx, question, answer in sized}
@@ -183,7 +184,9 @@ def grid_tokens(grid, plan, samples: dict, sized: list[tuple], max_new_tokens: i
             prefill += (0 if aware else question) * len(budgeted)
         if any(c[1] == REFERENCE for c in todo):
             prefill += ctx + question
-        steps += len(todo) * (max_new + answer)
+        stepwise = grid.backend is not None  # a compiled forward scores the answer token by token
+        prefill += len(todo) * (0 if stepwise else answer)
+        steps += len(todo) * (max_new + (answer if stepwise else 0))
     return prefill, steps
 
 
@@ -192,8 +195,8 @@ def estimate_line(grid, plan, samples: dict, sized: list[tuple], config, device:
     """The line printed before a grid starts: its rows, samples, tokens and (on the CPU) an estimated time."""
     prefill, steps = grid_tokens(grid, plan, samples, sized, max_new_tokens)
     rows = sum(len(t) for _, t in plan)
-    head = (f"{plural(rows, 'row')} on {plural(len(plan), 'sample')}: {_count(prefill)} prompt tokens through the "
-            f"model and {_count(steps)} decoding and answer-scoring steps")
+    head = (f"{plural(rows, 'row')} on {plural(len(plan), 'sample')}: {_count(prefill)} prompt and answer tokens "
+            f"through the model, at most {_count(steps)} decoding steps")
     if device != "cpu":
         return f"{head}; no time estimate on {device} (fxbudget has no committed GPU measurement to base one on)"
     scale = _compute_params(config) / _compute_params(EMBEDDED_SHAPE) if config is not None else 1.0
