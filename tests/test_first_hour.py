@@ -174,6 +174,7 @@ def test_protocol_note_is_derived_from_what_rules_read():
     assert protocol_note.row_note("snapkv", "query-agnostic")
     assert protocol_note.row_note("snapkv", "query-aware") is None
     assert protocol_note.row_note("knorm", "query-agnostic") is None
+    assert protocol_note.row_note("not_registered_here", "query-agnostic") is None  # a report of a rule file's rule
     assert "`query-agnostic` (the default)" in protocol_note.header_note(["query-agnostic", "query-aware"])
 
 

@@ -27,17 +27,21 @@ _MEANING = {
 
 def question_rules(rules: list[str], rule_params: dict | None = None) -> list[str]:
     """The rules among `rules` that choose with the observation window's attention (so were designed with the
-    question in it): a dry run of each one's score; `full` and replay rules (kvzip, its own protocol) left out."""
-    from ..rule_probe import reads_observation_window
+    question in it): a dry run of each one's score; `full`, replay rules (kvzip, its own protocol) and names that are
+    not registered here (a report of another session's `--rule-file` rule) left out."""
+    from ..rule_probe import RuleProbeError, reads_observation_window
     from ..rules import get
 
     out = []
     for name in rules:
         if name == "full":
             continue
-        rule = get(name, **(rule_params or {}).get(name, {}))
-        if not getattr(rule, "replay_only", False) and reads_observation_window(rule):
-            out.append(name)
+        try:
+            rule = get(name, **(rule_params or {}).get(name, {}))
+            if not getattr(rule, "replay_only", False) and reads_observation_window(rule):
+                out.append(name)
+        except (ValueError, TypeError, RuleProbeError):
+            continue
     return out
 
 
