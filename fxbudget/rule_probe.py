@@ -11,6 +11,7 @@ report is built on (`fxbudget.harness.protocol_note`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import sys
 import traceback
@@ -114,7 +115,9 @@ def signals_read(rule: Rule) -> frozenset[str]:
             if protect is not None:
                 check_output(rule, "protect()", protect, like, floating=False)
     except _UnknownSignal as e:
-        raise RuleProbeError(f"rule {name!r} reads s.{e.signal}{_where(e)}, which the kernel does not measure; "
+        near = difflib.get_close_matches(e.signal, signal_names(), n=1, cutoff=0.5)
+        hint = f" (did you mean s.{near[0]}?)" if near else ""
+        raise RuleProbeError(f"rule {name!r} reads s.{e.signal}{_where(e)}, which the kernel does not measure{hint}; "
                              f"the signals are: {', '.join(signal_names())}") from None
     except RuleContractError as e:
         raise RuleProbeError(f"{e} (found by a dry run of its score on a probe, before the run)") from None

@@ -59,8 +59,8 @@ def _rule_file(tmp_path, body: str, name="mine.py") -> Path:
 
 @pytest.mark.parametrize("body, match", [
     ("        return s.accumulated_attention * 2\n",
-     r"--rules mine: rule 'mine' reads s\.accumulated_attention \(.*mine\.py:8\), which the kernel does not measure; "
-     r"the signals are: attn, window_attn, last_attn, acc_attn, .*wov_norm"),
+     r"--rules mine: rule 'mine' reads s\.accumulated_attention \(.*mine\.py:8\), which the kernel does not measure "
+     r"\(did you mean s\.acc_attn\?\); the signals are: attn, window_attn, last_attn, acc_attn, .*wov_norm"),
     ("        return s.attn.sum(-1)\n", r"rule 'mine': the score has shape \(1, 2\), expected exactly the candidates' "
                                       r"shape \(1, 2, 10\)"),
     ("        return s.attn > 0\n", r"rule 'mine': the score must be a floating tensor"),
