@@ -43,10 +43,19 @@ def _fails(capsys, argv, match):
     (["--param", "snapkv.windw=64"], r"--param snapkv.windw: snapkv has no hyperparameter 'windw'; its "
                                      r"hyperparameters: window, kernel, pooling"),
     (["--param", "h2o.recent_ratio=0.3"], r"h2o is not among the rules run"),
-    (["--protocol", "queryaware"], r"unknown protocol 'queryaware'; the protocols are query-agnostic, query-aware, "
-                                   r"streaming"),
+    (["--protocol", "queryaware"], r"--protocol queryaware: unknown protocol 'queryaware' \(did you mean "
+                                   r"'query-aware'\?\); known protocols: query-agnostic, query-aware, streaming$"),
     (["--device", "tpu"], r"--device tpu: unknown device; use one of cpu, cuda, cuda:N"),
-    (["--dtype", "float64"], r"--dtype float64: unknown dtype; use one of float32, bfloat16, float16"),
+    (["--dtype", "float64"], r"--dtype float64: unknown dtype( \(did you mean '\w+'\?\))?; use one of float32, "
+                             r"bfloat16, float16"),
+    (["--dtype", "bfloat"], r"--dtype bfloat: unknown dtype \(did you mean 'bfloat16'\?\)"),
+    (["--rules", "full,snapkvv"], r"--rules snapkvv: unknown rule 'snapkvv' \(did you mean 'snapkv'\?\); known "
+                                  r"rules: .*tova.*adakv:<rule>"),
+    (["--tasks", "paskey"], r"--tasks paskey: unknown task 'paskey' \(did you mean 'passkey'\?\); known tasks: "
+                            r"passkey, niah_single"),
+    (["--param", "SnapKV.windw=64"], r"--param snapkv.windw: snapkv has no hyperparameter 'windw'"),
+    (["--lengths", "9000"], r"--lengths 9000: tiny\w* holds 8192 positions \(max_position_embeddings in its "
+                            r"config\).*use --lengths below 8192"),
     (["--device", "cuda:99"], r"--device cuda:99: (no CUDA GPU is visible|only \d+ CUDA GPU)"),
     (["--revision", "v1"], r"--revision is for hub ids"),
 ])
@@ -174,7 +183,7 @@ def test_closing_line_adds_up():
 def test_dtype_recorded_in_rows(tiny_dir, tmp_path):
     out = tmp_path / "bf16"
     assert main(["compare", "--model", tiny_dir, "--tasks", "passkey", "--lengths", "300", *SMALL,
-                 "--device", "cpu", "--dtype", "bfloat16", "--out", str(out)]) == 0
+                 "--device", "cpu", "--dtype", "BF16", "--out", str(out)]) == 0  # bf16 is bfloat16
     rows = load_rows([out])
     assert {(r["dtype"], r["device"]) for r in rows} == {("bfloat16", "cpu")}
     assert json.loads((out / "run.json").read_text())["dtype"] == "bfloat16"
@@ -189,12 +198,12 @@ def test_help_and_rules_import_no_torch():
     code = ("import sys\nfrom fxbudget.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "try:\n    main(['compare', '--help'])\nexcept SystemExit:\n    pass\n"
-            "assert main(['rules']) == 0\n"
+            "assert main(['rules']) == 0\nassert main(['tasks']) == 0\n"
             "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
             "assert not heavy, heavy\nprint('OK')\n")
     proc = _python(code)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr
-    assert "| `snapkv` |" in proc.stdout
+    assert "| `snapkv` |" in proc.stdout and "| `passkey` |" in proc.stdout
 
 
 def test_static_rules_table_is_the_registry_table():

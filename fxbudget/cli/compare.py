@@ -1,12 +1,16 @@
 """`fxbudget compare`: check everything, plan, build the samples, load the model only if rows are left to run, run,
-report. A rerun of a finished grid loads nothing and leaves the report as it is."""
+report. A rerun of a finished grid loads nothing and leaves the report as it is; a rerun of a part-done one says how
+many rows it skips. Ctrl-C (exit status 130) says what was saved and the command that resumes."""
 
 from __future__ import annotations
 
+import shlex
 import sys
 
-from . import preflight
+from . import names, preflight, sizes
 from .preflight import Stages, UsageError
+
+INTERRUPTED = 130  # the shell's status of a process ended by SIGINT
 
 
 def _setup_threads(threads: int | None) -> None:
@@ -36,11 +40,14 @@ def cmd_compare(args) -> int:
     if args.ray is None and any(x is not None for x in (args.workers, args.cpus_per_worker, args.gpus_per_worker)):
         raise UsageError("--workers, --cpus-per-worker and --gpus-per-worker need --ray")
     preflight.rule_files(args.rule_file)
+    _match_names(args)
+    preflight.task_files(args.task_file)
     grid = grid_of(args)
     try:
         grid.validate()
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
+    preflight.rule_probes(grid)
     place = preflight.placement(args, ray=args.ray is not None)
     source = preflight.model_source(args)
     if args.ray is not None:
@@ -63,13 +70,43 @@ def cmd_compare(args) -> int:
         stages.mark("reading the rows")
         print(f"[fxbudget] {stages.line()}; Python's exit follows", file=sys.stderr)
         return 0
-    samples = preflight.samples(grid, preflight.tokenizer(source), plan)
+    total, todo = _rows_of_shard(grid, args.shard), sum(len(t) for _, t in plan)
+    if todo < total:
+        print(f"[fxbudget] resuming: {total - todo} of {names.plural(total, 'row')} done (in {runner.out_dir}); "
+              f"{todo} to run", file=sys.stderr)
+    tok = preflight.tokenizer(source)
+    config = sizes.model_config(source)
+    if grid.tasks:
+        sizes.check_lengths(grid.lengths, config, source.name)
+    samples = preflight.samples(grid, tok, plan)
+    sized = sizes.measure(samples, tok, grid.likelihood)
+    sizes.check_samples(sized, config, source.name, args.max_new_tokens)
+    from ..harness.runner import cache_shapes
+
+    headroom = cache_shapes(grid, plan, tok, samples, args.max_new_tokens)[0]
+    for line in sizes.budget_warnings(grid, sized, config, place.dtype, headroom, args.max_new_tokens):
+        print(f"[fxbudget] {line}", file=sys.stderr)
+    print(f"[fxbudget] {sizes.estimate_line(grid, plan, samples, sized, config, place.device, args.max_new_tokens)}",
+          file=sys.stderr)
+    from ..harness.protocol_note import run_note
+
+    note = run_note(grid.rules, grid.protocols, grid.rule_params)
+    if note:
+        print(f"[fxbudget] {note}", file=sys.stderr)
     stages.mark("tokenizer and samples")
+    try:
+        return _run(args, grid, source, place, samples, runner, plan, stages, total)
+    except KeyboardInterrupt:
+        return _interrupted(args, runner, total)
+
+
+def _run(args, grid, source, place, samples, runner, plan, stages, total) -> int:
+    """Load the model (unless on Ray), run the rows, report."""
     if args.ray is None:
         runner = _load(args, grid, source, place, samples)
         stages.mark("model load")
     todo = sum(len(t) for _, t in plan)
-    print(f"[fxbudget] {source.name}: {todo} rows to run on {len(plan)} samples "
+    print(f"[fxbudget] {source.name}: {names.plural(todo, 'row')} to run on {names.plural(len(plan), 'sample')} "
           f"(protocol {','.join(grid.protocols)}, {place.dtype} on {place.device}, "
           f"prefill {'shared per sample' if grid.shares_prefill else 'per rule'}, "
           f"backend {grid.backend or 'none (eager kernel)'}, cache layout {grid.layout()}"
@@ -91,7 +128,7 @@ def cmd_compare(args) -> int:
     else:
         stages.split("running the samples", [("Ray start, workers loading the model, fingerprints",
                                               runner.startup_s)])
-        workers = (f" (worker seconds, summed over {len(runner.workers)} workers in parallel: compile "
+        workers = (f" (worker seconds, summed over {names.plural(len(runner.workers), 'worker')} in parallel: compile "
                    f"{runner.compile_s:.1f} s, run {runner.run_s:.1f} s)")
     from ..harness.report import report
 
@@ -101,6 +138,42 @@ def cmd_compare(args) -> int:
     stages.mark("report")
     print(f"[fxbudget] {stages.line()}{workers}; Python's exit follows", file=sys.stderr)
     return 0
+
+
+def _match_names(args) -> None:
+    """Rules, tasks, protocols and `--param` rule names as the registry spells them (`snapKV` -> `snapkv`), or one
+    line with the nearest known name."""
+    args.rules = names.rule_names(args.rules)
+    args.tasks = names.task_names(args.tasks)
+    args.protocol = names.protocol_names(args.protocol)
+    args.param = names.params(args.param)
+
+
+def _rows_of_shard(grid, shard) -> int:
+    """How many rows this shard of the grid has in all (done or not)."""
+    from ..harness.grid import configs, units
+
+    i, n = shard
+    return len(units(grid)[i::n]) * len(configs(grid))
+
+
+def _interrupted(args, runner, total: int) -> int:
+    """After Ctrl-C: one line saying what is saved and the command that resumes; the exit status 130."""
+    try:
+        left = sum(len(t) for _, t in runner.plan())
+    except Exception:  # noqa: BLE001  (a file cut mid-row: the rerun repairs it)
+        left = total
+    command = "fxbudget " + shlex.join(args.argv)
+    saved = total - left
+    if not left:  # every row was saved: the report was being written
+        rows = "its one row is" if total == 1 else f"all {total} rows are"
+        print(f"[fxbudget] interrupted while writing the report: {rows} saved in {runner.path}; write it with: "
+              f"fxbudget report {shlex.quote(str(args.out))}", file=sys.stderr)
+        return INTERRUPTED
+    where = f"in {runner.path}" if saved else f"(nothing written in {runner.out_dir} yet)"
+    print(f"[fxbudget] interrupted: {saved} of {names.plural(total, 'row')} saved {where}; resume with: {command}",
+          file=sys.stderr)
+    return INTERRUPTED
 
 
 def _load(args, grid, source, place, samples):

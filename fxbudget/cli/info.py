@@ -1,5 +1,5 @@
-"""The small commands: `report` (merge result folders), `rules` (the registered rules), `inspect` (the rewritten
-attention of a model)."""
+"""The small commands: `report` (merge result folders), `rules` (the registered rules), `tasks` (the generated
+tasks), `inspect` (the rewritten attention of a model)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,39 @@ def cmd_rules(args) -> int:
     return 0
 
 
+def tasks_table() -> str:
+    """Markdown table of the generated tasks: name, what it measures (the generator's docstring), what a sample
+    holds (its `Returns:`); then the task file fields. No torch import."""
+    import inspect
+    import re
+
+    from ..harness.tasks import TASK_FILE_FIELDS, TASKS
+    from ..harness.tasks.haystack import SAFE_TOKENS
+
+    def clean(text: str) -> str:
+        text = re.sub(r":\w+:`([^`]*)`", r"`\1`", " ".join(text.split()))
+        return text.replace("``", "`").replace("|", "\\|")
+
+    lines = ["| task | what it measures | a sample holds |", "|---|---|---|"]
+    for name, fn in TASKS.items():
+        doc = inspect.getdoc(fn) or ""
+        summary = doc.split("\n\n")[0]
+        returns = doc.split("Returns:")[-1].strip().split("\n\n")[0] if "Returns:" in doc else ""
+        lines.append(f"| `{name}` | {clean(summary)} | {clean(returns)} |")
+    fields = "\n".join(f"- `{k}`: {v}" for k, v in TASK_FILE_FIELDS.items())
+    return ("\n".join(lines) + f"\n\nEach is generated at every `--lengths` (context tokens of the model's tokenizer, "
+            f"within 2%; at least {SAFE_TOKENS}, more for tasks with several needles), `--samples` per length with "
+            "needle depths spread evenly, seeded by `--seed`; a sample scores the fraction of its answers found in "
+            f"the output.\n\nYour own task: `--task-file FILE.jsonl`, one JSON object per line with the fields\n"
+            f"{fields}\n- `meta`: optional, an object of your own, kept with the sample (any other field is refused)")
+
+
+def cmd_tasks(args) -> int:
+    """`fxbudget tasks`: the generated tasks and the task file fields."""
+    print(tasks_table())
+    return 0
+
+
 def cmd_inspect(args) -> int:
     """`fxbudget inspect`: the rewritten attention of a model (one layer's kernel, or every layer)."""
     import torch
@@ -40,6 +73,9 @@ def cmd_inspect(args) -> int:
     from ..graph_summary import summary
     from ..models import load_model
 
+    from .names import rule_name
+
+    args.rule = rule_name(args.rule, option="--rule")
     place, source = preflight.placement(args), preflight.model_source(args)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -40,6 +40,16 @@ def _budgets(text: str) -> list[int | str]:
     return out
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -85,8 +95,8 @@ def _model_options(c) -> None:
                    "that ship modelling code); never without this flag")
     c.add_argument("--device", default=None, help=f"{', '.join(DEVICES)} (default: cuda when a GPU is visible, "
                    "else cpu)")
-    c.add_argument("--dtype", default=None, help=f"{', '.join(DTYPES)} (default: bfloat16 on a GPU, float32 on "
-                   "the CPU)")
+    c.add_argument("--dtype", default=None, help=f"{', '.join(DTYPES)}, or bf16, fp16, fp32 (default: bfloat16 on "
+                   "a GPU, float32 on the CPU)")
 
 
 def _task_options(c, d, *, task_files: bool = True) -> None:
@@ -96,21 +106,28 @@ def _task_options(c, d, *, task_files: bool = True) -> None:
 
     _model_options(c)
     if task_files:
-        c.add_argument("--tasks", type=_names, default=None, help=f"comma-separated, from: {', '.join(TASKS)} "
-                       f"(default: {_joined(d.tasks)}, unless --task-file is given: then only the files run)")
+        c.add_argument("--tasks", type=_names, default=None, help=f"comma-separated, from: {', '.join(TASKS)}; "
+                       f"see `fxbudget tasks` (default: {_joined(d.tasks)}, unless --task-file is given: then only "
+                       "the files run)")
         fields = "; ".join(f"{k}: {v}" for k, v in TASK_FILE_FIELDS.items())
         c.add_argument("--task-file", action="append", default=[], help="a JSONL task file, one JSON object per "
-                       f"line with the fields {fields}; other fields are kept with the sample. Repeatable")
+                       f"line with the fields {fields}; meta: an object of your own, kept with the sample (any other "
+                       "field is refused). Repeatable")
     else:
         c.add_argument("--tasks", type=_names, default=_joined(d.tasks), help=f"comma-separated, from: "
                        f"{', '.join(TASKS)}")
     c.add_argument("--lengths", type=_ints, default=_joined(d.lengths), help="context lengths in tokens of the "
                    "generated tasks")
-    c.add_argument("--samples", type=int, default=None, help=f"samples per task and length (default: {d.samples})"
+    c.add_argument("--samples", type=_positive, default=None, help=f"samples per task and length (default: {d.samples})"
                    + ("; also the most lines of each task file run (default: all)" if task_files else ""))
     c.add_argument("--seed", type=int, default=d.seed, help="seed of the generated task samples")
     c.add_argument("--protocol", type=_names, default=_joined(d.protocols), help=f"comma-separated, from: "
-                   f"{', '.join(PROTOCOLS)}; several run in one pass (each protocol's prefill once per sample)")
+                   f"{', '.join(PROTOCOLS)}; several run in one pass (each protocol's prefill once per sample). The "
+                   "default, query-agnostic (kvpress's), compresses the context BEFORE the question is seen: rules "
+                   "that choose with the latest queries (snapkv, tova, pyramidkv, chunkkv, ...) were designed with "
+                   "the question there and can score 0 on retrieval without it. query-aware compresses context and "
+                   "question together (SnapKV's setting); streaming evicts on every call. Compare rules within one "
+                   "protocol; run both with --protocol query-agnostic,query-aware")
 
 
 def _rule_file_option(c) -> None:
@@ -131,9 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand; the chosen one is `args.command`."""
     from ..harness.grid import Grid
 
+    from .. import __version__
+
     d = Grid()
     p = _Parser(prog="fxbudget", description="Compare KV-cache eviction rules on one shared kernel "
                                 "and budget.")
+    p.add_argument("--version", action="version", version=f"fxbudget {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compare", help="run a grid of rules x budgets x tasks x lengths; write results and a report",
@@ -194,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     rl = sub.add_parser("rules", help="list the registered rules")
     _rule_file_option(rl)
+
+    sub.add_parser("tasks", help="list the generated tasks: what each measures, what its samples hold, and the "
+                   "fields of a --task-file")
 
     i = sub.add_parser("inspect", help="the rewritten attention of a model: SDPA calls rewritten per layer, the "
                        "kernel fingerprint and one layer's kernel", formatter_class=_HelpFormatter)

@@ -56,6 +56,55 @@ def rule_files(paths: list[str]) -> None:
             raise UsageError(f"{at}: {type(e).__name__}: {e} (in --rule-file {path})") from None
 
 
+def task_files(paths: list[str]) -> None:
+    """Refuse a task file line with a field fxbudget does not know (a misspelt `max_new_token` would otherwise be
+    kept as data and silently ignored); fields of one's own go under `meta`. Other problems of the files are the
+    grid's to say (`Grid.validate`, naming the file and line).
+
+    Raises:
+        UsageError: "FILE:LINE: unknown field 'anwser' (did you mean 'answer'?); the fields are ...".
+    """
+    from ..harness.tasks import TASK_FILE_FIELDS
+    from .names import did_you_mean
+
+    known = [*TASK_FILE_FIELDS, "meta"]
+    for path in paths:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue  # the grid says the file is missing or unreadable
+        for lineno, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line) if line.strip() else {}
+            except json.JSONDecodeError:
+                continue
+            unknown = [k for k in row if k not in known] if isinstance(row, dict) else []
+            if unknown:
+                raise UsageError(f"{path}:{lineno}: unknown field {unknown[0]!r}{did_you_mean(unknown[0], known)}; "
+                                 f"the fields are {', '.join(TASK_FILE_FIELDS)}, and meta (an object of your own, "
+                                 "kept with the sample)")
+
+
+def rule_probes(grid) -> None:
+    """The dry run of every rule of the grid (`fxbudget.rule_probe`): a rule that reads a signal the kernel does not
+    measure, returns the wrong shape or fails is refused before anything is written.
+
+    Raises:
+        UsageError: one line naming the rule, the field and the valid names.
+    """
+    from ..harness.grid import REFERENCE
+    from ..rule_probe import RuleProbeError, signals_read
+    from ..rules import get
+
+    for name in grid.rules:
+        if name == REFERENCE:
+            continue
+        try:
+            signals_read(get(name, **grid.rule_params.get(name, {})))
+        except RuleProbeError as e:
+            raise UsageError(f"--rules {name}: {e}") from None
+
+
 def placement(args, *, ray: bool = False):
     """The resolved `--device` and `--dtype` (`fxbudget.devices.Placement`); with `ray`, only the names are checked
     (the workers' devices are not this machine's) and the device follows `--gpus-per-worker`.
@@ -64,7 +113,9 @@ def placement(args, *, ray: bool = False):
         UsageError: an unknown name, a GPU that is not here, a device that contradicts `--gpus-per-worker`.
     """
     from .. import devices
+    from .names import dtype_name
 
+    args.dtype = dtype_name(args.dtype)  # bf16 -> bfloat16, ...; an unknown name refused with the nearest one
     try:
         if not ray:
             return devices.resolve(args.device, args.dtype)

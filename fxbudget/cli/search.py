@@ -20,6 +20,10 @@ def cmd_search(args) -> int:
     except ImportError as e:
         raise UsageError(str(e)) from None
     preflight.rule_files(args.rule_file)
+    from . import names
+
+    args.rules, args.tasks = names.rule_names(args.rules), names.task_names(args.tasks)
+    args.protocol = names.protocol_names(args.protocol)
     if len(args.protocol) != 1:
         raise UsageError(f"one --protocol per search, got {','.join(args.protocol)}")
     samples = Grid().samples if args.samples is None else args.samples

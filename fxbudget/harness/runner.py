@@ -53,8 +53,8 @@ from .likelihood import answer_logprobs, finish_prompt, frozen_tokens
 from .measure import Clock, Peak, environment, eos_ids, greedy, kv_bytes
 from .tasks import Sample, answer_ids, chat_ids, load_jsonl, make_samples, score
 
-__all__ = ["PROTOCOLS", "REFERENCE", "Grid", "Runner", "Unit", "budget_fraction", "build_samples", "configs",
-           "environment", "resolve_budget", "row_key", "units"]
+__all__ = ["PROTOCOLS", "REFERENCE", "Grid", "Runner", "Unit", "budget_fraction", "build_samples", "cache_shapes",
+           "configs", "environment", "resolve_budget", "row_key", "units"]
 
 
 def build_samples(grid: Grid, tokenizer, plan=None) -> dict:
@@ -88,6 +88,31 @@ def _load_sample(grid: Grid, unit: Unit, tokenizer, cache: dict) -> Sample:
     if key not in cache:  # the samples of a (task, length) are generated together (their depths are spread)
         cache[key] = make_samples(unit.task, tokenizer, unit.length, grid.samples, seed=grid.seed)
     return cache[key][unit.index]
+
+
+def cache_shapes(grid: Grid, plan, tokenizer, samples: dict, max_new_tokens: int | None = None) -> tuple[int, int]:
+    """The head-room a run of `plan` allocates (slots for what is appended with eviction frozen, the largest over
+    the plan, rounded up to 64) and its question length bucket (the longest question rounded up to 16); known from
+    the samples alone, so the CLI can say what a cache costs before the model loads.
+
+    Args:
+        grid: the run's grid. plan: `Runner.plan()`. tokenizer: the model's.
+        samples: the sample cache (`build_samples`; samples missing from it are built into it).
+        max_new_tokens: the run's answer length override (None: each sample's own).
+    """
+    headroom = question_bucket = 0
+    for unit, todo in plan:
+        sample = _load_sample(grid, unit, tokenizer, samples)
+        q = chat_ids(tokenizer, sample)[1].shape[1]
+        max_new = max_new_tokens or sample.max_new_tokens
+        m = answer_ids(tokenizer, sample).shape[1] if grid.likelihood else None
+        for protocol in {c[0] for c in todo}:
+            frozen = {"query-agnostic": q + max_new, "query-aware": max_new, "streaming": 0}[protocol]
+            if m is not None:
+                frozen = max(frozen, frozen_tokens(protocol, q, m))
+            headroom = max(headroom, frozen)
+        question_bucket = max(question_bucket, q)
+    return math.ceil(headroom / 64) * 64, math.ceil(question_bucket / 16) * 16
 
 
 class Runner:
@@ -188,21 +213,8 @@ class Runner:
         yield from self._run_unit(unit, todo, tqdm(disable=True))
 
     def _shapes(self, plan) -> tuple[int, int]:
-        """The run's head-room (slots for what is appended with eviction frozen, the largest over the plan, rounded
-        up to 64) and question length bucket (the longest question rounded up to 16)."""
-        headroom = question_bucket = 0
-        for unit, todo in plan:
-            sample = _load_sample(self.grid, unit, self.tok, self._samples)
-            q = chat_ids(self.tok, sample)[1].shape[1]
-            max_new = self.max_new or sample.max_new_tokens
-            m = answer_ids(self.tok, sample).shape[1] if self.grid.likelihood else None
-            for protocol in {c[0] for c in todo}:
-                frozen = {"query-agnostic": q + max_new, "query-aware": max_new, "streaming": 0}[protocol]
-                if m is not None:
-                    frozen = max(frozen, frozen_tokens(protocol, q, m))
-                headroom = max(headroom, frozen)
-            question_bucket = max(question_bucket, q)
-        return math.ceil(headroom / 64) * 64, math.ceil(question_bucket / 16) * 16
+        """The run's head-room and question length bucket (`cache_shapes`)."""
+        return cache_shapes(self.grid, plan, self.tok, self._samples, self.max_new)
 
     def _max_context(self, plan) -> int:
         """The longest context of the plan's samples (tokens)."""

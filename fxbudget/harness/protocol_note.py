@@ -1,0 +1,77 @@
+"""What a run and a report say about the protocol, so that nobody reads a query-agnostic score of SnapKV as SnapKV's.
+
+The default protocol is query-agnostic (kvpress's, DESIGN §6): the context is compressed before the question is
+seen. Rules that choose with the attention of the observation window (the latest queries of each call: `snapkv`,
+`tova`, `pyramidkv`, `chunkkv`, ...; found by a dry run of each rule's score, `fxbudget.rule_probe`, not by a list)
+were designed with the question in that window; under query-agnostic the window holds the context's last tokens,
+and on retrieval tasks they can score 0 where query-aware gives them 1. That is a fair comparison of what a rule can
+do without the question, not a broken rule; these notes say so where a reader looks:
+
+- `run_note`: one line printed when a run starts (`fxbudget compare`), when such a rule runs without query-aware;
+- `header_note`: the report's protocol sentence, under its title;
+- `row_note`: beside the row of such a rule in a query-agnostic column.
+"""
+
+from __future__ import annotations
+
+DEFAULT_PROTOCOL = "query-agnostic"
+_MEANING = {
+    "query-agnostic": "the context is compressed before the question is seen (kvpress's default; the question and the "
+                      "answer are appended without eviction)",
+    "query-aware": "the context and the question are compressed together, the question's queries in the observation "
+                   "window (SnapKV's setting)",
+    "streaming": "eviction on every call, the question and every decoded token included; memory is the budget "
+                 "throughout",
+}
+
+
+def question_rules(rules: list[str], rule_params: dict | None = None) -> list[str]:
+    """The rules among `rules` that choose with the observation window's attention (so were designed with the
+    question in it): a dry run of each one's score; `full`, replay rules (kvzip, its own protocol) and names that are
+    not registered here (a report of another session's `--rule-file` rule) left out."""
+    from ..rule_probe import RuleProbeError, reads_observation_window
+    from ..rules import get
+
+    out = []
+    for name in rules:
+        if name == "full":
+            continue
+        try:
+            rule = get(name, **(rule_params or {}).get(name, {}))
+            if not getattr(rule, "replay_only", False) and reads_observation_window(rule):
+                out.append(name)
+        except (ValueError, TypeError, RuleProbeError):
+            continue
+    return out
+
+
+def run_note(rules: list[str], protocols: list[str], rule_params: dict | None = None) -> str | None:
+    """The line to print as a run starts when a rule designed around the question runs without query-aware (None
+    otherwise)."""
+    if "query-aware" in protocols:
+        return None
+    names = question_rules(rules, rule_params)
+    if not names:
+        return None
+    these = ", ".join(names)
+    return (f"protocol {','.join(protocols)}: {these} choose{'s' if len(names) == 1 else ''} with the attention of "
+            f"the latest queries, which {'its paper fills' if len(names) == 1 else 'their papers fill'} with the "
+            "question; here the context is compressed before the question is seen, so expect low scores on retrieval "
+            "tasks (a fair comparison without the question, not a broken rule). For their own setting add --protocol query-aware (or run both: "
+            "--protocol query-agnostic,query-aware)")
+
+
+def header_note(protocols: list[str]) -> str:
+    """The report's sentence on its protocols: what each means, and which is the default."""
+    parts = [f"`{p}`{' (the default)' if p == DEFAULT_PROTOCOL else ''}: {_MEANING[p]}" for p in protocols
+             if p in _MEANING]
+    return "Protocol " + "; ".join(parts) + "."
+
+
+def row_note(rule: str, protocol: str, rule_params: dict | None = None) -> str | None:
+    """The note beside a report row of `rule` under `protocol`: for a rule designed around the question, run
+    query-agnostic (None otherwise)."""
+    if protocol != "query-agnostic" or not question_rules([rule], {rule: rule_params or {}}):
+        return None
+    return ("chooses with the latest queries, which its paper fills with the question; query-agnostic compresses "
+            "before the question (--protocol query-aware is its own setting)")
