@@ -49,14 +49,15 @@ def match(name: str, known, what: str, *, option: str, listing: str | None = Non
 
 
 def rule_name(name: str, *, option: str = "--rules") -> str:
-    """A registered rule name (`adakv:<rule>` matched inside too); imports the registry (torch)."""
-    from ..rules import available
+    """A registered rule name (a wrapper form such as `adakv:<rule>` matched inside too); imports the registry
+    (torch)."""
+    from ..rules import available, wrapper_prefixes
 
     known = available()
-    prefix, sep, inner = name.partition(":")
-    listing = f"{', '.join(known)}, and adakv:<rule> for any of them"
-    if sep and prefix.casefold() == "adakv":
-        return f"adakv:{match(inner, known, 'rule', option=option, listing=listing)}"
+    listing = f"{', '.join(known)}, and " + ", ".join(f"{p}<rule>" for p in wrapper_prefixes()) + " for any of them"
+    for prefix in wrapper_prefixes():
+        if name.casefold().startswith(prefix.casefold()):
+            return prefix + match(name[len(prefix):], known, "rule", option=option, listing=listing)
     return match(name, known, "rule", option=option, listing=listing)
 
 
@@ -83,10 +84,26 @@ def params(items: list[str]) -> list[str]:
 
 
 def task_names(names: list[str] | None) -> list[str] | None:
-    """The generated tasks `names` means (case-insensitive)."""
-    from ..harness.tasks import TASKS
+    """The generated tasks `names` means (case-insensitive); a suite (`ruler`) stands for its tasks."""
+    from ..harness.tasks import RULER_SUITE, TASKS, expand_tasks
 
-    return None if names is None else [match(n, TASKS, "task", option="--tasks") for n in names]
+    if names is None:
+        return None
+    matched = []
+    try:
+        for n in names:
+            if n.casefold() == RULER_SUITE:
+                matched.append(RULER_SUITE)
+                continue
+            try:
+                matched.append(match(n, TASKS, "task", option="--tasks"))
+            except UsageError:
+                if n.casefold().startswith(RULER_SUITE + ":"):
+                    expand_tasks([n])  # RULER's own message, listing its 13 tasks
+                raise
+        return expand_tasks(matched)
+    except ValueError as e:
+        raise UsageError(f"--tasks {','.join(names)}: {e}") from None
 
 
 def protocol_names(names: list[str]) -> list[str]:
