@@ -54,7 +54,7 @@ def model_rope(model: nn.Module) -> list[tuple[Tensor, float] | str | None]:
     cfg = text_config(model.config)
     head_dim = _head_dim(cfg)
     found = rotary_modules(model)
-    out: list[tuple[Tensor, float] | str] = []
+    out: list[tuple[Tensor, float] | str | None] = []
     for i, t in enumerate(layer_types(model.config)):
         if not uses_rope(cfg, i):
             out.append((torch.zeros(head_dim // 2), 1.0))

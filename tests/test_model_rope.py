@@ -182,3 +182,22 @@ def test_a_config_only_cache_for_llama31_is_refused_until_given_the_models_rope(
     assert cache.has_rope and torch.equal(cache.layers[1].inv_freq, model.model.rotary_emb.inv_freq.float())
     with pytest.raises(ValueError, match="set_rope: 1 entries for 2 layers"):
         cache.set_rope(model_rope(model)[:1])
+
+
+def test_per_layer_type_rotary_embedding():
+    """Gemma 3 keeps one set of frequencies per layer type in one rotary embedding (`<layer_type>_inv_freq`, thetas
+    1e4 for sliding and 1e6 for full layers, here with linear scaling on the full ones): each layer gets its type's."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(**TINY, max_position_embeddings=256, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"],
+                           rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=1e4),
+                                            "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6)})
+    model = Gemma3ForCausalLM(cfg).eval()
+    rot = model.model.rotary_emb
+    entries = model_rope(model)
+    for entry, t in zip(entries, cfg.layer_types):
+        assert torch.equal(entry[0], getattr(rot, f"{t}_inv_freq").float())
+    assert not torch.allclose(entries[0][0], entries[1][0])
+    cache = fxbudget.compile(model, rule="expected_attention", budget=8, backend=None).forward.new_cache()
+    assert cache.has_rope and torch.equal(cache.layers[1].inv_freq, rot.full_attention_inv_freq.float())
