@@ -12,12 +12,13 @@ from torch import fx, nn
 from .architectures import check_model
 from .backend import INNER_BACKENDS, make_backend
 from .buckets import bucket_length  # noqa: F401  (re-export)
-from .cache import BudgetCache
+from .cache import BudgetCache  # noqa: F401  (re-export)
 from .checks import check_int
 from .fingerprint import captured_graphs as _captured_graphs  # noqa: F401  (re-export)
 from .fingerprint import graph_fingerprint, inspect, kernel_fingerprint  # noqa: F401  (re-export)
 from .forward import ATTN_IMPLEMENTATION, BudgetForward  # noqa: F401  (re-export)
 from .kernel import DEFAULT_BLOCK, check_block
+from .model_rope import rope_refusal_for
 from .model_cache import (  # noqa: F401  (re-export)
     check_rule_budget, layer_devices, model_cache, output_projections, resolve_head_pool)
 from .regions import compiled_forward
@@ -101,10 +102,11 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
         check_rule_budget(rule_obj, budget, model.config)
     check_int("headroom", headroom, 0)
     check_block(block)
-    if rule_obj.needs_rope and getattr(model, "config", None) is not None \
-            and not BudgetCache(model.config, 1).has_rope:
-        raise ValueError(f"rule {rule_obj.name!r} needs the model's RoPE frequencies, and this model does not use "
-                         "default RoPE on its full-attention layers")
+    rope_refused = rope_refusal_for(model) if rule_obj.needs_rope and getattr(model, "config", None) is not None \
+        else None
+    if rope_refused:
+        raise ValueError(f"rule {rule_obj.name!r} needs the model's RoPE frequencies, and fxbudget cannot give them "
+                         f"for this model: {rope_refused}")
     if rule_obj.needs_wo and getattr(model, "config", None) is not None \
             and any(w is None for w in output_projections(model)):
         raise ValueError(f"rule {rule_obj.name!r} needs each attention layer's output projection (W_o), and fxbudget "

@@ -81,6 +81,9 @@ class BudgetLayer(CacheLayerMixin):
         self.keep = budget  # entries kept per call: the budget, or every slot while eviction is frozen
         # RoPE frequencies of this layer's keys/queries (a signal for rules that model future queries); NaN if unknown.
         self.inv_freq = (inv_freq if inv_freq is not None else torch.full((head_dim // 2,), float("nan"))).to(device)
+        # Post-RoPE keys and queries are this factor times a rotation (the rotary embedding's `attention_scaling`:
+        # YaRN's; 1 for default RoPE), known from the model (`BudgetCache.set_rope`); 1 from a config alone.
+        self.rope_scaling = 1.0
         # The layer's output projection as the `wov_norm` signal reads it (per query head, the R of W_o's slice:
         # `kernel_signals.out_projection_factors`), set by `BudgetCache.set_output_projections`; NaN while unknown.
         # Not KV bytes (`kv_bytes`): q_heads x v_head_dim^2 floats per layer, v_head_dim / hidden of the o_proj weight.
@@ -246,7 +249,7 @@ class BudgetCache(Cache):
         self.budget, self.headroom, self.dtype, self.head_pool = budget, headroom, dtype, head_pool
         self.devices, self.device = devices, devices[0]  # each layer's; the first layer's (positions live there)
         self.layer_budgets = [layer.budget for layer in self._budgeted()]
-        self.has_rope = all(rope_known)
+        self.has_rope = all(rope_known)  # every budgeted layer's frequencies are known (`set_rope` may add them)
         self.signature = (n_layers, kv_heads, head_dim, heads, types)  # what the cache was built for
         self._frozen = False
         # The next position of each row (rows of a left-padded batch have seen different numbers of tokens).
@@ -258,6 +261,33 @@ class BudgetCache(Cache):
     def has_wo(self) -> bool:
         """Whether every budgeted layer carries its model's output projection (`set_output_projections`)."""
         return all(layer.wo_known for layer in self._budgeted())
+
+    def set_rope(self, entries: list) -> None:
+        """Attach each layer's RoPE as the model applies it (`fxbudget.model_rope.model_rope(model)`): per layer
+        `(inv_freq [r/2], attention_scaling)`; a str (why it is unknown) makes the layer's frequencies unknown (NaN);
+        None keeps what the config gave. A cache built for a model (`model_cache`) takes them so; a cache built from
+        a config alone knows default RoPE only. `has_rope` is recomputed over the budgeted layers.
+
+        Raises:
+            ValueError: one entry per layer is needed; frequencies must be 1-D with at most head_dim / 2 entries.
+        """
+        if len(entries) != len(self.layers):
+            raise ValueError(f"set_rope: {len(entries)} entries for {len(self.layers)} layers")
+        for layer, entry in zip(self.layers, entries):
+            head_dim = layer.keys.shape[-1]
+            if entry is None:
+                continue
+            if not isinstance(entry, tuple):
+                layer.inv_freq = torch.full((head_dim // 2,), float("nan"), device=layer.device)
+                layer.rope_scaling = 1.0
+                continue
+            inv_freq, scaling = entry
+            if inv_freq.dim() != 1 or not 0 < inv_freq.shape[0] <= head_dim // 2:
+                raise ValueError(f"layer {layer.layer}: RoPE frequencies of shape {tuple(inv_freq.shape)} for head "
+                                 f"dim {head_dim}")
+            layer.inv_freq = inv_freq.detach().to(layer.device, torch.float32).clone()
+            layer.rope_scaling = float(scaling)
+        self.has_rope = not any(bool(torch.isnan(layer.inv_freq).any()) for layer in self._budgeted())
 
     def set_output_projections(self, weights: list[Tensor | None]) -> None:
         """Attach each layer's output projection weight (`o_proj.weight`, `[hidden, q_heads * v_head_dim]`, None =

@@ -140,7 +140,8 @@ def _rotation_layout(config_module: str) -> str:
 
 
 def rope_kind(config, layer_type: str = FULL) -> str:
-    """A description of a layer type's RoPE (the architecture table's `rotary` column)."""
+    """A description of a layer type's RoPE (the architecture table's `rotary` column), marked "(unknown to rules)"
+    when fxbudget cannot give rules its frequencies even from the model's rotary embedding (`rope_refusal`)."""
     cfg = text_config(config)
     params = rope_parameters(cfg, layer_type)
     if "rope_theta" not in params:
@@ -149,7 +150,7 @@ def rope_kind(config, layer_type: str = FULL) -> str:
     factor = partial_rotary_factor(cfg, layer_type)
     layout = _rotation_layout(type(cfg).__module__)
     parts = [kind] + ([f"partial {factor:g}"] if factor != 1.0 else []) + ([layout] if layout != "half" else [])
-    return " ".join(parts) + ("" if rope_inv_freq(config, layer_type) is not None else " (unknown to rules)")
+    return " ".join(parts) + ("" if rope_refusal(config, layer_type) is None else " (unknown to rules)")
 
 
 def uses_rope(config, layer: int) -> bool:
@@ -167,11 +168,41 @@ def layer_inv_freq(config, layer: int, layer_type: str, head_dim: int) -> Tensor
     return rope_inv_freq(config, layer_type, head_dim)
 
 
+# RoPE types whose rotary embedding changes its frequencies with the sequence length during the forward
+# (transformers' `dynamic_rope_update`): one fixed `inv_freq` per layer cannot describe them.
+DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def rope_refusal(config, layer_type: str, head_dim: int | None = None) -> str | None:
+    """Why fxbudget cannot give rules a layer type's RoPE frequencies even from the model's own rotary embedding
+    (`fxbudget.model_rope`), or None when it can: no RoPE, dims paired otherwise than `rotate_half` (interleaved:
+    GLM, Cohere), rotated dims named by `rotary_dim` (GPT-J, CodeGen), an odd rotated width, or a RoPE type whose
+    frequencies change with the sequence length (`DYNAMIC_ROPE`: dynamic NTK, LongRoPE)."""
+    cfg = text_config(config)
+    params = rope_parameters(cfg, layer_type)
+    if "rope_theta" not in params:
+        return "no RoPE parameters (rope_theta) in the config"
+    kind = params.get("rope_type", "default")
+    if any(d in kind for d in DYNAMIC_ROPE):
+        return f"{kind!r} RoPE changes its frequencies with the sequence length"
+    layout = _rotation_layout(type(cfg).__module__)
+    if layout != "half":
+        return f"its rotate_half pairs dims {layout}, not as halves"
+    if getattr(cfg, "rotary_dim", None) is not None:
+        return "rotated dims named directly (config.rotary_dim): each family derives its frequencies"
+    head_dim = head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dim = int(head_dim * partial_rotary_factor(cfg, layer_type))
+    if dim < 2 or dim % 2:
+        return f"{dim} rotated dims per head"
+    return None
+
+
 def rope_inv_freq(config, layer_type: str, head_dim: int | None = None) -> Tensor | None:
-    """Default-RoPE inverse frequencies of a layer type, as transformers computes them
+    """Default-RoPE inverse frequencies of a layer type computed from the config alone, as transformers computes them
     (`1 / theta ** (arange(0, r, 2) / r)`, `r = int(head_dim * partial_rotary_factor)` rotated dims, the first `r` of
     each head, paired as `rotate_half` pairs them): `[r // 2]`. None (unknown: rules that need it are refused) for any
-    other RoPE type, no RoPE, or dims paired otherwise (interleaved, as in GLM and Cohere).
+    other RoPE type (llama3, YaRN, linear, ...: a cache attached to a model takes those from the model's rotary
+    embedding, `fxbudget.model_rope`), or when `rope_refusal` names a reason.
 
     Args:
         config: the model config. layer_type: "full_attention" or "sliding_attention".
@@ -179,14 +210,8 @@ def rope_inv_freq(config, layer_type: str, head_dim: int | None = None) -> Tenso
     """
     cfg = text_config(config)
     params = rope_parameters(cfg, layer_type)
-    if params.get("rope_type", "default") != "default" or "rope_theta" not in params:
-        return None
-    if _rotation_layout(type(cfg).__module__) != "half":
+    if rope_refusal(cfg, layer_type, head_dim) is not None or params.get("rope_type", "default") != "default":
         return None
     head_dim = head_dim or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if getattr(cfg, "rotary_dim", None) is not None:
-        return None  # rotated dims named directly (GPT-J, CodeGen, MiniMax-M3): each family derives its frequencies
     dim = int(head_dim * partial_rotary_factor(cfg, layer_type))
-    if dim < 2 or dim % 2:
-        return None
     return 1.0 / params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from .cache import BudgetCache, _layer_shapes
+from .model_rope import model_rope
 from .rules import Rule
 
 
@@ -88,6 +89,7 @@ def model_cache(model: nn.Module, rule: Rule, budget: int, batch_size: int = 1, 
                         headroom=headroom, layer_budgets=layer_budgets(rule, budget, model.config, prompt),
                         head_pool=pooled)
     cache.sized_for_prompt = prompt  # what BudgetForward checks its layer budgets against
+    cache.set_rope(model_rope(model))  # the model's own frequencies (llama3, YaRN, linear, ...), not the config's
     cache.set_output_projections([w if w is not None and w.device == d else None  # offloaded weights: unknown
                                   for w, d in zip(output_projections(model), cache.devices)])
     return cache
@@ -125,7 +127,8 @@ def check_cache(cache: BudgetCache, model: nn.Module, rule: Rule, budget: int, b
     if config is not None and cache.signature != _layer_shapes(config):
         raise ValueError("cache was built for another model (layers/heads/head_dim differ)")
     if rule.needs_rope and not cache.has_rope:
-        raise ValueError(f"rule {rule.name!r} needs RoPE frequencies this cache does not have")
+        raise ValueError(f"rule {rule.name!r} needs RoPE frequencies this cache does not have: build it with "
+                         "model.forward.new_cache(), or call cache.set_rope(fxbudget.model_rope.model_rope(model))")
     if rule.needs_wo and not cache.has_wo:
         raise ValueError(f"rule {rule.name!r} needs each layer's output projection (W_o) and this cache has none: "
                          "build it with model.forward.new_cache(), or call cache.set_output_projections("

@@ -105,13 +105,17 @@ class Result:
 
 
 def rope_check(model) -> str:
-    """Whether the RoPE frequencies fxbudget gives rules (`BudgetLayer.inv_freq`) are the model's own (those of a
-    rotary-embedding buffer of the same length, partial rotary included), or unknown (NaN): never different."""
+    """Whether the RoPE frequencies fxbudget gives rules (`BudgetLayer.inv_freq` of a cache built for the model, as
+    `model_cache` builds it) are the model's own (those of a rotary-embedding buffer of the same length, partial
+    rotary included), or unknown (NaN): never different."""
     import fxbudget
+    from fxbudget.model_rope import model_rope
 
     theirs = [b for n, b in model.named_buffers() if n.endswith("inv_freq") and "original" not in n]
     known = False
-    for layer in fxbudget.BudgetCache(model.config, 8).layers:
+    cache = fxbudget.BudgetCache(model.config, 8)
+    cache.set_rope(model_rope(model))
+    for layer in cache.layers:
         if torch.isnan(layer.inv_freq).any():
             continue
         known = True
@@ -200,9 +204,11 @@ def markdown(results: list[Result]) -> str:
              "and, where a second figure is given, under `backend=\"aot_eager\"` (the architectures issue 20 names, "
              "which span every window and rotary kind; `--compiled all` runs every one); *refused*: `fxbudget.compile` refuses it before any model work, "
              "naming the feature.", "",
-             "*rotary*: the RoPE of the model's layers; *RoPE to rules*: the frequencies fxbudget gives rules such as "
-             "expected_attention are the model's own rotary embedding's (checked), or unknown (such rules are "
-             "refused). *not built*: the matrix could not make a tiny config of it (the reason is given); not a "
+             "*rotary*: the RoPE of the model's layers (*unknown to rules*: fxbudget cannot give rules its "
+             "frequencies, even from the model's rotary embedding: interleaved dims, dynamic or LongRoPE scaling, "
+             "`rotary_dim`); *RoPE to rules*: the frequencies fxbudget gives rules such as expected_attention, taken "
+             "from the model's own rotary embedding (any RoPE type it computes once: default, llama3, YaRN, "
+             "linear, ...), are its buffers (checked), or unknown (such rules are refused). *not built*: the matrix could not make a tiny config of it (the reason is given); not a "
              "statement about fxbudget.", "",
              "| architecture | class | status | windows | rotary | RoPE to rules | max logit diff (eager / aot_eager) "
              "| reason |",
