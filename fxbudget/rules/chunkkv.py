@@ -1,15 +1,15 @@
 """`chunkkv`: snapkv's scores, kept by whole chunks of neighbouring positions.
 
 Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM Inference", 2025
-(arXiv:2502.00299), as kvpress's `ChunkKVPress(SnapKVPress())`: kvpress's snapkv score (the mean attention from the
-last `window` queries, average-pooled over `kernel` positions of the context before the window; the window's tokens
-score the layer's highest score + 1), summed over the KV heads of the layer and averaged over chunks of
-`chunk_length` positions (`[0, c)`, `[c, 2c)`, ...; the last may be shorter): every token scores its chunk's mean, so
-the best chunks are kept whole and every KV head keeps the same positions. Departures: the budget is filled exactly
-(kvpress keeps `int(chunks x (1 - ratio))` whole chunks, up to a chunk fewer entries; fxbudget's last, partly kept
-chunk keeps its newest tokens); the sum over heads matches candidates by position, not by slot
-(`segments.head_sum_by_position`, as `tova`'s `share_heads`), so it holds on the head-pooled layout too; the highest score is per batch row (kvpress: over the batch); with chunked prefill every
-call is scored by its own window and a chunk holds what is still cached.
+(arXiv:2502.00299), as kvpress's `ChunkKVPress(SnapKVPress())`: kvpress's snapkv score (the mean attention from the last
+`window` queries, average-pooled over `kernel` positions of the context before the window; the window's tokens score the
+layer's highest score + 1), summed over the KV heads of the layer and averaged over chunks of `chunk_length` positions
+(`[0, c)`, `[c, 2c)`, ...; the last may be shorter): every token scores its chunk's mean, so the best chunks are kept
+whole and every KV head keeps the same positions. Departures: the budget is filled exactly (kvpress keeps `int(chunks x
+(1 - ratio))` whole chunks, up to a chunk fewer entries; fxbudget's last, partly kept chunk keeps its newest tokens);
+the sum over heads matches candidates by position, not by slot (`segments.head_sum_by_position`, as `tova`'s
+`share_heads`), so it holds on the head-pooled layout too; the highest score is per batch row (kvpress: over the batch);
+with chunked prefill every call is scored by its own window and a chunk holds what is still cached.
 """
 
 from __future__ import annotations

@@ -2,18 +2,18 @@
 
 Chari & Van Durme, "Compactor: Calibrated Query-Agnostic KV Cache Compression with Approximate Leverage Scores", 2025
 (arXiv:2507.08143), as kvpress's `CompactorPress` (`LeverageScorePress` + `NonCausalAttnPress`). The first
-`sink_size_start` and last `sink_size_end` positions are kept; over the rest (the middle, in position order):
-- `leverage`'s z-scored leverage (`fxbudget.rules.leverage`), centred and sketched over the middle only;
-- non-causal chunked attention: the middle is tiled into chunks of `chunk_size`, each query attends to every key of
-  its chunk with unscaled logits `q . k` (softmax in fp32), and a key's score is the attention it receives, averaged
-  over the KV group, times `|v|`, average-pooled over 3 neighbours, z-scored over the layer. As kvpress, the last
-  chunk is padded with zero queries and keys, padded keys at logit -1e-9 (so they take a share of the softmax) and
-  padded query rows attend uniformly;
-score = `blending` x leverage + attention, `blending = compression ratio` when None (kvpress's default; fxbudget's
-ratio is `1 - budget / positions seen`). Departures: the sketch is `leverage`'s fixed one; a cached entry (chunked
-prefill, decode) has no query in the call and attends with a zero query, like kvpress's padding; statistics are per
-batch row; kvpress supports prefill only. Needs default RoPE. `chunk_size` is kvpress's name; `fxbudget.compile`'s
-own `chunk_size` is the prefill's, so set this one on an instance: `rule=rules.get("compactor", chunk_size=128)`.
+`sink_size_start` and last `sink_size_end` positions are kept; over the rest (the middle, in position order): -
+`leverage`'s z-scored leverage (`fxbudget.rules.leverage`), centred and sketched over the middle only; - non-causal
+chunked attention: the middle is tiled into chunks of `chunk_size`, each query attends to every key of its chunk with
+unscaled logits `q . k` (softmax in fp32), and a key's score is the attention it receives, averaged over the KV group,
+times `|v|`, average-pooled over 3 neighbours, z-scored over the layer. As kvpress, the last chunk is padded with zero
+queries and keys, padded keys at logit -1e-9 (so they take a share of the softmax) and padded query rows attend
+uniformly; score = `blending` x leverage + attention, `blending = compression ratio` when None (kvpress's default;
+fxbudget's ratio is `1 - budget / positions seen`). Departures: the sketch is `leverage`'s fixed one; a cached entry
+(chunked prefill, decode) has no query in the call and attends with a zero query, like kvpress's padding; statistics are
+per batch row; kvpress supports prefill only. Needs the model's RoPE frequencies (`fxbudget.model_rope`: default,
+llama3, YaRN, linear). `chunk_size` is kvpress's name; `fxbudget.compile`'s own `chunk_size` is the prefill's, so set
+this one on an instance: `rule=rules.get("compactor", chunk_size=128)`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """`defensivekv`: the max of pooled window attention, clamped below by its mean, times the W_o-projected value norm.
 
 Feng et al., "Taming the Fragility of KV Cache Eviction in LLM Inference" (DefensiveKV), ICLR 2026 (arXiv:2510.13334),
-as its code (github.com/FFY0/DefensiveKV, `EfficientDefensiveKVPress`, window 32, kernel 5): over the context before
-the observation window, each candidate's attention from the window is average-pooled over `kernel` positions (zero
-padded), its max over the window's queries and the KV group's query heads is clamped below by its mean over the
-context (the "defensive" aggregation), and multiplied by `||W_o v||_1` (CriticalKV's weight: the value under the
-layer's output projection, averaged over the group's query heads; here the L2 norm, see below) divided by that norm's sum over the layer's KV heads
-for the same position. First stage (CriticalKV's): the context tokens with the highest mean window attention are kept
-first, as many as reach `threshold` minus the window's attention on its own tokens (at most `budget - window`); the
-window is always kept.
+as its code (github.com/FFY0/DefensiveKV, `EfficientDefensiveKVPress`, window 32, kernel 5): over the context before the
+observation window, each candidate's attention from the window is average-pooled over `kernel` positions (zero padded),
+its max over the window's queries and the KV group's query heads is clamped below by its mean over the context (the
+"defensive" aggregation), and multiplied by `||W_o v||_1` (CriticalKV's weight: the value under the layer's output
+projection, averaged over the group's query heads; here the L2 norm, see below) divided by that norm's sum over the
+layer's KV heads for the same position. First stage (CriticalKV's): the context tokens with the highest mean window
+attention are kept first, as many as reach `threshold` minus the window's attention on its own tokens (at most `budget -
+window`); the window is always kept.
 
 Departures: the reference pools each window query's row before the max and rescales each row to its unpooled mass;
 the kernel measures the max over the window's queries and the group (`window_max_attn`, for every rule) and this rule
