@@ -38,7 +38,7 @@ def question_rules(rules: list[str], rule_params: dict | None = None) -> list[st
             continue
         try:
             rule = get(name, **(rule_params or {}).get(name, {}))
-            if not getattr(rule, "replay_only", False) and reads_observation_window(rule):
+            if not rule.replay_only and reads_observation_window(rule):
                 out.append(name)
         except (ValueError, TypeError, RuleProbeError):
             continue
@@ -57,8 +57,8 @@ def run_note(rules: list[str], protocols: list[str], rule_params: dict | None = 
     return (f"protocol {','.join(protocols)}: {these} choose{'s' if len(names) == 1 else ''} with the attention of "
             f"the latest queries, which {'its paper fills' if len(names) == 1 else 'their papers fill'} with the "
             "question; here the context is compressed before the question is seen, so expect low scores on retrieval "
-            "tasks (a fair comparison without the question, not a broken rule). For their own setting add --protocol query-aware (or run both: "
-            "--protocol query-agnostic,query-aware)")
+            "tasks (a fair comparison without the question, not a broken rule). For their own setting add "
+            "--protocol query-aware (or run both: --protocol query-agnostic,query-aware)")
 
 
 def header_note(protocols: list[str]) -> str:
@@ -66,6 +66,16 @@ def header_note(protocols: list[str]) -> str:
     parts = [f"`{p}`{' (the default)' if p == DEFAULT_PROTOCOL else ''}: {_MEANING[p]}" for p in protocols
              if p in _MEANING]
     return "Protocol " + "; ".join(parts) + "."
+
+
+def section_note(rows: list[dict]) -> str | None:
+    """The sentence under a report section of one protocol: `row_note` for the rules of `rows` it applies to."""
+    protocols = {r["protocol"] for r in rows}
+    params = {r["rule"]: r.get("rule_params") or {} for r in rows}
+    names = [n for n in params if protocols == {"query-agnostic"} and question_rules([n], params)]
+    if not names:
+        return None
+    return f"**{', '.join(names)}**: " + row_note(names[0], "query-agnostic", params[names[0]]) + "."
 
 
 def row_note(rule: str, protocol: str, rule_params: dict | None = None) -> str | None:

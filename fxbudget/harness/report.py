@@ -13,6 +13,7 @@ from ..models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_WEIGHTS
 from .answers import answers_tables
 from .grouping import (METRICS, budget_label, budgets, by, logprob_delta, mean_or_none, metric_values,
                        reference_logprobs, rule_order, sample_id, setting, settings, unequal_samples)
+from .protocol_note import header_note, section_note
 from .results import read_rows
 from .runner import REFERENCE
 from .stats import leaders, mean_interval, no_interval_reason
@@ -161,7 +162,8 @@ def _header(rows: list[dict], sort: str) -> list[str]:
         parts.append("- **warning: the rules did not all run the same samples** (merged runs of different grids?); "
                      "samples per rule: " + "; ".join(unequal) + ". A cell averages its own samples (the \"all "
                      "tasks\" cells pool them); the paired comparisons use only the samples every rule ran.")
-    return parts + [READING, f"- rules are ordered by {sort}."]
+    protocols = sorted({r["protocol"] for r in rows}, key=lambda p: (p != "query-agnostic", p))
+    return parts + [f"- {header_note(protocols)}", READING, f"- rules are ordered by {sort}."]
 
 
 def _allocation_line(rows) -> str:
@@ -203,6 +205,9 @@ def markdown(rows: list[dict], plots: list[str], sort: str = "accuracy") -> str:
     for protocol, prs in by(rows, "protocol").items():
         for (chunk, backend), crs in by(prs, "chunk_size", "backend").items():
             parts += ["", f"## protocol: {protocol}, prefill chunk: {chunk or 'one call'}, backend: {backend}", ""]
+            note = section_note(crs)
+            if note:
+                parts += [note, ""]
             parts += _section(crs, sort, "all tasks")
             for task, trs in by(crs, "task").items():
                 parts += _section(trs, sort, f"{task} ({_context(trs)})", details=True)
