@@ -156,3 +156,41 @@ def tiny_dir(tmp_path_factory):
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any model load fails the test (the tokenizer may load: it is not the model)."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def fails_in_one_line(capsys, argv, match):
+    """`fxbudget.cli.main(argv)` exits 2 with one line on stderr matching `match`; returns the line."""
+    import re
+
+    from fxbudget.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.search(match, err), err
+    return err
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The embedded model's tokenizer (installed on first use)."""
+    from transformers import AutoTokenizer
+
+    from fxbudget.models import default_cache_dir, default_model_available, load_default
+    path = default_cache_dir()
+    if not (path / "tokenizer.json").is_file():
+        if not default_model_available():
+            pytest.skip("the embedded model is not installed")
+        load_default(progress=False)
+    return AutoTokenizer.from_pretrained(path)

@@ -16,26 +16,14 @@ from fxbudget.cli import main
 from fxbudget.harness.report import load_rows
 from fxbudget.harness.tasks import TASK_FILE_FIELDS
 
+from conftest import fails_in_one_line
+
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--rules", "full,snapkv", "--budgets", "32", "--samples", "1", "--max-new-tokens", "2", "--quiet"]
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    """Any model load fails the test (the tokenizer may load: it is not the model)."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
 
 
-def _fails(capsys, argv, match):
-    """`main(argv)` exits 2 with one line on stderr matching `match`."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    assert re.search(match, err), err
-    return err
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -62,7 +50,7 @@ def _fails(capsys, argv, match):
 def test_bad_input_one_line_exit_2_nothing_loaded_or_written(tiny_dir, tmp_path, capsys, no_model_load, extra,
                                                              match):
     out = tmp_path / "out"
-    _fails(capsys, ["compare", "--model", tiny_dir, "--tasks", "passkey", "--lengths", "300", *SMALL,
+    fails_in_one_line(capsys, ["compare", "--model", tiny_dir, "--tasks", "passkey", "--lengths", "300", *SMALL,
                     "--out", str(out), *extra], match)
     assert not out.exists()
 
@@ -71,7 +59,7 @@ def test_absent_gpu_is_refused(tiny_dir, tmp_path, capsys, no_model_load, monkey
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _fails(capsys, ["compare", "--model", tiny_dir, "--device", "cuda", "--out", str(tmp_path / "o")],
+    fails_in_one_line(capsys, ["compare", "--model", tiny_dir, "--device", "cuda", "--out", str(tmp_path / "o")],
            r"--device cuda: no CUDA GPU is visible .*use --device cpu")
     assert not (tmp_path / "o").exists()
 
@@ -82,24 +70,24 @@ def test_absent_gpu_is_refused(tiny_dir, tmp_path, capsys, no_model_load, monkey
     ("not a valid id!", r"not a local path and not a valid hub id"),
 ])
 def test_bad_model_paths(tmp_path, capsys, no_model_load, model, match):
-    _fails(capsys, ["compare", "--model", model, "--out", str(tmp_path / "o")], match)
+    fails_in_one_line(capsys, ["compare", "--model", model, "--out", str(tmp_path / "o")], match)
     assert not (tmp_path / "o").exists()
 
 
 def test_directory_that_is_not_a_model(tmp_path, capsys, no_model_load):
-    _fails(capsys, ["compare", "--model", str(tmp_path), "--out", str(tmp_path / "o")], r"holds no config.json")
+    fails_in_one_line(capsys, ["compare", "--model", str(tmp_path), "--out", str(tmp_path / "o")], r"holds no config.json")
 
 
 def test_rule_file_errors_name_file_and_line(tiny_dir, tmp_path, capsys, no_model_load):
     bad = tmp_path / "bad_rule.py"
     bad.write_text("from fxbudget.rules import register\n@register('mine'\ndef score(s):\n    return s.pos\n")
-    _fails(capsys, ["compare", "--model", tiny_dir, "--rule-file", str(bad), "--out", str(tmp_path / "o")],
+    fails_in_one_line(capsys, ["compare", "--model", tiny_dir, "--rule-file", str(bad), "--out", str(tmp_path / "o")],
            rf"{re.escape(str(bad))}:2: SyntaxError: ")
     raising = tmp_path / "raising_rule.py"
     raising.write_text("import math\n\nraise RuntimeError('broken on purpose')\n")
-    _fails(capsys, ["compare", "--model", tiny_dir, "--rule-file", str(raising), "--out", str(tmp_path / "o")],
+    fails_in_one_line(capsys, ["compare", "--model", tiny_dir, "--rule-file", str(raising), "--out", str(tmp_path / "o")],
            rf"{re.escape(str(raising))}:3: RuntimeError: broken on purpose")
-    _fails(capsys, ["rules", "--rule-file", str(bad)], r"bad_rule.py:2: SyntaxError")
+    fails_in_one_line(capsys, ["rules", "--rule-file", str(bad)], r"bad_rule.py:2: SyntaxError")
     assert not (tmp_path / "o").exists()
 
 
@@ -107,9 +95,9 @@ def test_task_file_errors_before_the_model(tiny_dir, tmp_path, capsys, no_model_
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"context": "c", "question": "q", "answer": "a"}) + "\n"
                     + json.dumps({"context": "c", "question": "q"}) + "\n")
-    _fails(capsys, ["compare", "--model", tiny_dir, "--task-file", str(path), "--out", str(tmp_path / "o")],
+    fails_in_one_line(capsys, ["compare", "--model", tiny_dir, "--task-file", str(path), "--out", str(tmp_path / "o")],
            rf"{re.escape(str(path))}:2: missing field 'answer'")
-    _fails(capsys, ["compare", "--model", tiny_dir, "--task-file", str(tmp_path / "none.jsonl"),
+    fails_in_one_line(capsys, ["compare", "--model", tiny_dir, "--task-file", str(tmp_path / "none.jsonl"),
                     "--out", str(tmp_path / "o")], r"task file .*none.jsonl does not exist")
     assert not (tmp_path / "o").exists()
 

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from transformers import AutoConfig
 
 import fxbudget
-from conftest import tiny_model
+from conftest import fails_in_one_line, tiny_model
 from fxbudget.cli import main, names, sizes
 from fxbudget.cli.preflight import UsageError
 from fxbudget.harness import protocol_note
@@ -31,21 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--tasks", "passkey", "--lengths", "300", "--samples", "1", "--max-new-tokens", "2", "--quiet"]
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
 
 
-def _fails(capsys, argv, match):
-    """`main(argv)` exits 2 with one line on stderr matching `match`."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    assert re.search(match, err), err
-    return err
 
 
 # --- bad inputs: one line, exit 2, before any model loads, nothing written ------------------------------------------
@@ -70,7 +56,7 @@ def _rule_file(tmp_path, body: str, name="mine.py") -> Path:
 def test_a_broken_rule_is_refused_by_its_dry_run(tiny_dir, tmp_path, capsys, no_model_load, body, match):
     path = _rule_file(tmp_path, body)
     out = tmp_path / "out"
-    _fails(capsys, ["compare", "--model", tiny_dir, *SMALL, "--rule-file", str(path), "--rules", "full,mine",
+    fails_in_one_line(capsys, ["compare", "--model", tiny_dir, *SMALL, "--rule-file", str(path), "--rules", "full,mine",
                     "--out", str(out)], match)
     assert not out.exists()
 
@@ -88,15 +74,15 @@ def test_bad_inputs_refused_before_the_model(tiny_dir, tmp_path, capsys, no_mode
     # A task file with an unknown field (a misspelt optional field would otherwise be silently ignored).
     task = tmp_path / "mine.jsonl"
     task.write_text(json.dumps({"context": "c", "question": "q", "answer": "a", "max_new_token": 4}) + "\n")
-    _fails(capsys, [*base, "--task-file", str(task)],
+    fails_in_one_line(capsys, [*base, "--task-file", str(task)],
            rf"{re.escape(str(task))}:1: unknown field 'max_new_token' \(did you mean 'max_new_tokens'\?\); the fields "
            r"are context, question, answer, answer_prefix, max_new_tokens, and meta")
     # A rule file that registers no rule.
     empty = tmp_path / "empty.py"
     empty.write_text("import torch\nx = 1\n")
-    _fails(capsys, [*base, "--rule-file", str(empty)], r"rule file .*empty\.py registers no rule")
+    fails_in_one_line(capsys, [*base, "--rule-file", str(empty)], r"rule file .*empty\.py registers no rule")
     # --lengths below a task's minimum.
-    _fails(capsys, [*base, "--tasks", "passkey", "--lengths", "50"], r"passkey at 50 tokens: .*at least \d+ tokens")
+    fails_in_one_line(capsys, [*base, "--tasks", "passkey", "--lengths", "50"], r"passkey at 50 tokens: .*at least \d+ tokens")
     assert not out.exists()
     # --samples 0: argparse's one line.
     with pytest.raises(SystemExit) as e:

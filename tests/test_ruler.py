@@ -22,17 +22,6 @@ KVPRESS_ANSWER = {"niah": "The special magic", "vt": "Answer:", "cwe": "Answer:"
 GENERATE = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}  # RULER constants.py tokens_to_generate
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    from fxbudget.models import default_cache_dir, default_model_available, load_default
-    path = default_cache_dir()
-    if not (path / "tokenizer.json").is_file():
-        if not default_model_available():
-            pytest.skip("the embedded model is not installed")
-        load_default(progress=False)
-    return AutoTokenizer.from_pretrained(path)
 
 
 @pytest.fixture(scope="module")

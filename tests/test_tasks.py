@@ -14,17 +14,6 @@ LENGTHS = (500, 2000)
 OWN_TASKS = sorted(t for t in TASKS if not t.startswith("ruler:"))  # RULER's tasks: tests/test_ruler.py
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    from fxbudget.models import default_cache_dir, default_model_available, load_default
-    path = default_cache_dir()
-    if not (path / "tokenizer.json").is_file():
-        if not default_model_available():
-            pytest.skip("the embedded model is not installed")
-        load_default(progress=False)
-    return AutoTokenizer.from_pretrained(path)
 
 
 def count(tok, text):
