@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 
-from .preflight import UsageError
+from .errors import UsageError
 
 # Short names of the dtypes, as other tools spell them.
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "f16": "float16", "fp32": "float32",

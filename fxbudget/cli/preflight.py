@@ -9,9 +9,7 @@ import time
 import traceback
 from pathlib import Path
 
-
-class UsageError(Exception):
-    """A bad input, said in one line that tells the user what to do."""
+from .errors import UsageError  # noqa: F401  (raised here; importers take it from here too)
 
 
 def params(items: list[str]) -> dict[str, dict]:
