@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
 from torch import nn
 
 from . import __version__
@@ -110,6 +111,9 @@ def _describe(value, files: set[str]):
         return {str(k): _describe(v, files) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, torch.Tensor):  # by content: a tensor's repr elides the middle of a long one
+        data = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        return f"tensor {value.dtype} {tuple(value.shape)} {hashlib.sha256(data).hexdigest()}"
     code = getattr(value, "__code__", None)
     if code is not None:
         files.add(code.co_filename)
@@ -139,7 +143,6 @@ def fingerprint_key(model: nn.Module, rule: Rule, budget: int, head_pool: bool |
     Raises:
         Uncacheable: the model has no config, or a class or function it uses has no source file.
     """
-    import torch
     import torch._dynamo.config as dynamo_config
     import transformers
 

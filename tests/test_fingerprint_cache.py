@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from fxbudget import fingerprint_cache as fc
 from fxbudget.cli import main
 from fxbudget.harness import runner
 from fxbudget.harness.report import load_rows
-from fxbudget.rules import get, load_file, register
+from fxbudget.rules import Rule, get, load_file, register
 
 
 @pytest.fixture(autouse=True)
@@ -246,3 +247,22 @@ def test_compare_rows_say_whether_the_fingerprint_was_cached(tiny_dir, tmp_path,
         assert runs[0][rule]["fingerprint_cached"] is False and runs[1][rule]["fingerprint_cached"] is True
         assert runs[1][rule]["kernel_fingerprint"] == runs[0][rule]["kernel_fingerprint"]
     assert runs[0]["full"]["fingerprint_cached"] is None and runs[1]["full"]["fingerprint_cached"] is None
+
+
+@dataclass
+class _Weighted(Rule):
+    weights: torch.Tensor = None
+
+    def score(self, s):
+        return s.key_norm
+
+
+def test_a_tensor_hyperparameter_is_keyed_by_its_values():
+    a, b = torch.zeros(5000), torch.zeros(5000)
+    b[2500] = 1.0
+    assert repr(a) == repr(b)  # the repr elides the middle: it would not tell them apart
+    model = tiny_model("qwen2")
+    assert fc.entry_path(fc.fingerprint_key(model, _Weighted(a), 64, None)) != \
+        fc.entry_path(fc.fingerprint_key(model, _Weighted(b), 64, None))
+    assert fc.entry_path(fc.fingerprint_key(model, _Weighted(a), 64, None)) == \
+        fc.entry_path(fc.fingerprint_key(model, _Weighted(a.clone()), 64, None))

@@ -113,7 +113,7 @@ class Runner:
         self._pool = {"head_pool": True} if self.layout == "head-pool" else {}
         self.eos = eos_ids(model, tokenizer) if model is not None else set()
         self._fingerprints: dict[str, str] = {}
-        self._fingerprint_cached: dict[str, bool] = {}  # rule -> read from the disk cache (`fingerprint_cache`)
+        self.fingerprint_cached: dict[str, bool] = {}  # rule -> read from disk, not traced (`fingerprint_cache`)
         self._samples: dict = dict(samples or {})  # from build_samples, or built as the units run
         self._forwards: dict[tuple, BudgetForward] = {}  # (rule, params, budget) -> forward, reused across samples
         # (window, budget, block) -> compiled runner of frozen calls shared by every rule, and the graphs it compiled
@@ -242,7 +242,7 @@ class Runner:
             # Sizes are not part of the fingerprint: any budget gives the same one (relative budgets: 1024).
             budget = max((b for b in self.grid.budgets if budget_fraction(b) is None), default=1024)
             with Clock() as clock:  # inspect's probe, traced once per model, rule, code and versions (on disk)
-                self._fingerprints[rule.name], self._fingerprint_cached[rule.name] = cached_kernel_fingerprint(
+                self._fingerprints[rule.name], self.fingerprint_cached[rule.name] = cached_kernel_fingerprint(
                     self.model, rule, budget=budget, compute=kernel_fingerprint, **self._pool)
             self.fingerprint_s += clock.run + clock.compile
         return self._fingerprints[rule.name]
@@ -372,7 +372,7 @@ class Runner:
                 "allocation": allocation(rule), "layout": self.layout,
                 "layer_budgets": cache.layer_budgets if len(set(cache.layer_budgets)) > 1 else None,
                 "headroom": self.headroom, "kernel_fingerprint": fingerprint,
-                "fingerprint_cached": self._fingerprint_cached.get(rule.name), "shared_prefill": shared is not None,
+                "fingerprint_cached": self.fingerprint_cached.get(rule.name), "shared_prefill": shared is not None,
                 # Graphs this rule and budget used so far: its own, and the frozen calls' (shared with other rules).
                 "compiled_graphs": len(forward.graphs) + len(self._frozen_for(forward)[1]) if g.backend else None,
                 # With a shared prefill, prefill_s is what a separate run would take: the shared forward + the branch.
