@@ -65,11 +65,20 @@ def source_digest(root: Path = PACKAGE) -> str:
     return h.hexdigest()
 
 
+# The package's source when this module was imported (after the kernel's modules, which it imports): a key made
+# later must find the same, or the code that runs is not the code on disk (edited during the run) and nothing is
+# cached, so an entry never pairs new source with the old code's value.
+_IMPORTED_SOURCE = source_digest()
+
+
 def _file_digest(files: set[str]) -> dict[str, str]:
+    from .rules import _LOADED  # a rule file's bytes as loaded: what runs, even if the file changed since
+
     out = {}
     for name in sorted(files):
         try:
-            out[name] = hashlib.sha256(Path(name).read_bytes()).hexdigest()
+            loaded = _LOADED.get(str(Path(name).resolve()))
+            out[name] = hashlib.sha256(loaded[0] if loaded else Path(name).read_bytes()).hexdigest()
         except OSError:
             raise Uncacheable(f"no source file {name!r}") from None
     return out
@@ -141,13 +150,17 @@ def fingerprint_key(model: nn.Module, rule: Rule, budget: int, head_pool: bool |
     """Everything `kernel_fingerprint(model, rule=rule, budget=budget, head_pool=head_pool)` depends on.
 
     Raises:
-        Uncacheable: the model has no config, or a class or function it uses has no source file.
+        Uncacheable: the model has no config, a class or function it uses has no source file, or fxbudget's source
+            changed since it was imported.
     """
     import torch._dynamo.config as dynamo_config
     import transformers
 
+    source = source_digest()
+    if source != _IMPORTED_SOURCE:
+        raise Uncacheable("fxbudget's source files changed since it was imported")
     files: set[str] = set()
-    key = {"format": FORMAT, "fxbudget": __version__, "fxbudget_source": source_digest(),
+    key = {"format": FORMAT, "fxbudget": __version__, "fxbudget_source": source,
            "torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version,
            "dynamo_config": hashlib.sha256(json.dumps(dynamo_config.get_config_copy(), sort_keys=True,
                                                       default=repr).encode()).hexdigest(),

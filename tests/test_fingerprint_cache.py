@@ -218,8 +218,19 @@ def test_a_rule_file_is_keyed_by_its_source(tmp_path):
     load_file(path)
     first = _key(model, "cached_probe_rule")
     path.write_text(_RULE_FILE.format(body="-s.key_norm"))
+    assert _key(model, "cached_probe_rule") == first  # the rule that runs is still the one loaded
     load_file(path)
     assert _key(model, "cached_probe_rule") != first
+
+
+def test_source_edited_during_a_run_is_not_cached(cache_root, monkeypatch):
+    # As if a file had been edited after fxbudget was imported: the code that runs is not the code on disk.
+    monkeypatch.setattr(fc, "_IMPORTED_SOURCE", "0" * 64)
+    compute = Counting("34" * 32)
+    for _ in range(2):
+        assert fc.cached_kernel_fingerprint(tiny_model("qwen2"), "tova", budget=64, compute=compute) == \
+            ("34" * 32, False)
+    assert compute.calls == 2 and _entries(cache_root) == []
 
 
 def test_code_without_a_source_file_is_traced_every_time(cache_root):
