@@ -106,6 +106,20 @@ def _class_files(cls: type, files: set[str], *, functions: bool = True) -> None:
                     files.add(code.co_filename)
 
 
+def _plain(value):
+    """`value` as JSON the same in every process: sets sorted (their order follows the process's hash seed), dicts
+    by key, anything else not JSON as its repr."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (set, frozenset)):
+        return sorted((_plain(v) for v in value), key=_canonical)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
 def _describe(value, files: set[str]):
     """A JSON-able description of a rule (class, name, hyperparameters; inner rules described alike), collecting
     the source files it depends on."""
@@ -118,6 +132,8 @@ def _describe(value, files: set[str]):
         return [_describe(v, files) for v in value]
     if isinstance(value, dict):
         return {str(k): _describe(v, files) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (set, frozenset)):
+        return sorted((_describe(v, files) for v in value), key=_canonical)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.Tensor):  # by content: a tensor's repr elides the middle of a long one
@@ -140,7 +156,7 @@ def _describe_model(model: nn.Module, files: set[str]) -> dict:
     tensors = sorted({f"{t.dtype} {t.device}" for t in (*model.parameters(), *model.buffers())})
     cls = type(model)
     return {"class": f"{cls.__module__}.{cls.__qualname__}",
-            "config": json.loads(json.dumps(settings, sort_keys=True, default=repr)),
+            "config": _plain(settings),
             "modules": hashlib.sha256(repr(model).encode()).hexdigest(), "tensors": tensors,
             "training": model.training,
             "device_map": {str(k): str(v) for k, v in (getattr(model, "hf_device_map", None) or {}).items()}}
@@ -162,8 +178,7 @@ def fingerprint_key(model: nn.Module, rule: Rule, budget: int, head_pool: bool |
     files: set[str] = set()
     key = {"format": FORMAT, "fxbudget": __version__, "fxbudget_source": source,
            "torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version,
-           "dynamo_config": hashlib.sha256(json.dumps(dynamo_config.get_config_copy(), sort_keys=True,
-                                                      default=repr).encode()).hexdigest(),
+           "dynamo_config": hashlib.sha256(_canonical(_plain(dynamo_config.get_config_copy())).encode()).hexdigest(),
            "model": _describe_model(model, files), "rule": _describe(rule, files),
            "budget": budget, "head_pool": head_pool, "probe": [PROBE_TOKENS, PROBE_BLOCK]}
     # The package's own files are in fxbudget_source already; the others (transformers' modeling file, a rule

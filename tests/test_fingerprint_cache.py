@@ -277,3 +277,29 @@ def test_a_tensor_hyperparameter_is_keyed_by_its_values():
         fc.entry_path(fc.fingerprint_key(model, _Weighted(b), 64, None))
     assert fc.entry_path(fc.fingerprint_key(model, _Weighted(a), 64, None)) == \
         fc.entry_path(fc.fingerprint_key(model, _Weighted(a.clone()), 64, None))
+
+
+_KEY_SCRIPT = """
+import json, sys
+import torch._dynamo.config as dynamo_config
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from fxbudget import fingerprint_cache as fc
+from fxbudget.rules import get
+model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, **json.loads(sys.argv[1]))).eval()
+sets = [k for k, v in sorted(dynamo_config.get_config_copy().items()) if isinstance(v, (set, frozenset))]
+print(json.dumps({"path": fc.entry_path(fc.fingerprint_key(model, get("snapkv"), 64, None)).name,
+                  "orders": [repr(dynamo_config.get_config_copy()[k]) for k in sets]}))
+"""
+
+
+def test_the_key_is_the_same_in_every_process():
+    # Python orders a set by its hash seed, which differs between processes: Dynamo's settings hold sets.
+    outs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, "-c", _KEY_SCRIPT, json.dumps(COMMON)], env=env, capture_output=True,
+                              text=True, timeout=600, cwd=fc.PACKAGE.parent)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert outs[0]["orders"] != outs[1]["orders"]  # the two seeds do order Dynamo's sets differently
+    assert outs[0]["path"] == outs[1]["path"] == _key(tiny_model("qwen2")).name
