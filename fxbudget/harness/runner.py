@@ -41,6 +41,7 @@ from ..api import BudgetForward, frozen_runner, kernel_fingerprint
 from ..api import compile as fx_compile
 from ..backend import kernel_window
 from ..cache_arg import output_cache
+from ..fingerprint_cache import cached_kernel_fingerprint
 from ..kvzip_protocol import compress, replay_ids, template_parts
 from ..rules import get
 from . import results
@@ -137,6 +138,7 @@ class Runner:
         self._pool = {"head_pool": True} if self.layout == "head-pool" else {}
         self.eos = eos_ids(model, tokenizer) if model is not None else set()
         self._fingerprints: dict[str, str] = {}
+        self.fingerprint_cached: dict[str, bool] = {}  # rule -> read from disk, not traced (`fingerprint_cache`)
         self._samples: dict = dict(samples or {})  # from build_samples, or built as the units run
         self._forwards: dict[tuple, BudgetForward] = {}  # (rule, params, budget) -> forward, reused across samples
         # (window, budget, block) -> compiled runner of frozen calls shared by every rule, and the graphs it compiled
@@ -251,9 +253,9 @@ class Runner:
         if rule.name not in self._fingerprints:
             # Sizes are not part of the fingerprint: any budget gives the same one (relative budgets: 1024).
             budget = max((b for b in self.grid.budgets if budget_fraction(b) is None), default=1024)
-            with Clock() as clock:
-                self._fingerprints[rule.name] = kernel_fingerprint(self.model, rule=rule, budget=budget,  # inspect's probe
-                                                                   **self._pool)
+            with Clock() as clock:  # inspect's probe, traced once per model, rule, code and versions (on disk)
+                self._fingerprints[rule.name], self.fingerprint_cached[rule.name] = cached_kernel_fingerprint(
+                    self.model, rule, budget=budget, compute=kernel_fingerprint, **self._pool)
             self.fingerprint_s += clock.run + clock.compile
         return self._fingerprints[rule.name]
 
@@ -315,6 +317,7 @@ class Runner:
             ids, cache = greedy(self.model, output_cache(out), out.logits[:, -1], max_new, self.eos)
         self._timed(pre), self._timed(dec)
         return {"rule": REFERENCE, "rule_params": {}, "budget": None, "window": None, "kernel_fingerprint": None,
+                "fingerprint_cached": None,
                 "allocation": None, "layout": None,
                 "shared_prefill": False, "prefill_s": pre.run, "decode_s": dec.run,
                 "compile_s": pre.compile + dec.compile + likelihood.pop("compile_s"), **likelihood,
@@ -380,7 +383,8 @@ class Runner:
         return {"rule": rule_name, "rule_params": rule.params(), "budget": budget, "window": kernel_window(rule),
                 "allocation": allocation(rule), "layout": self.layout,
                 "layer_budgets": cache.layer_budgets if len(set(cache.layer_budgets)) > 1 else None,
-                "headroom": self.headroom, "kernel_fingerprint": fingerprint, "shared_prefill": shared is not None,
+                "headroom": self.headroom, "kernel_fingerprint": fingerprint,
+                "fingerprint_cached": self.fingerprint_cached.get(rule.name), "shared_prefill": shared is not None,
                 # Graphs this rule and budget used so far: its own, and the frozen calls' (shared with other rules).
                 "compiled_graphs": len(forward.graphs) + len(self._frozen_for(forward)[1]) if g.backend else None,
                 # With a shared prefill, prefill_s is what a separate run would take: the shared forward + the branch.
