@@ -20,6 +20,11 @@ def _setup_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def _cached_note(cached: dict[str, bool]) -> str:
+    """` (2 of 3 read from the cache)`: how many of the run's kernel fingerprints `fingerprint_cache` served."""
+    return f" ({sum(cached.values())} of {len(cached)} read from the cache)" if cached else ""
+
+
 def grid_of(args):
     """The `Grid` of the compare options (`--task-file` alone runs only the files; `--samples` also caps them)."""
     from ..harness.grid import Grid
@@ -123,7 +128,8 @@ def _run(args, grid, source, place, samples, runner, plan, stages, total) -> int
         raise UsageError(f"--ray: {e}") from None
     if args.ray is None:
         stages.split("rows and progress (outside the timed calls)", [
-            ("kernel fingerprints", runner.fingerprint_s), ("compile", runner.compile_s), ("run", runner.run_s)])
+            ("kernel fingerprints" + _cached_note(runner.fingerprint_cached), runner.fingerprint_s),
+            ("compile", runner.compile_s), ("run", runner.run_s)])
         workers = ""
     else:
         stages.split("running the samples", [("Ray start, workers loading the model, fingerprints",

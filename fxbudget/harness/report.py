@@ -138,6 +138,10 @@ def _header(rows: list[dict], sort: str) -> list[str]:
     first = rows[0]
     models = sorted({r["model"] for r in rows})
     prints = {r["kernel_fingerprint"] for r in rows if r.get("kernel_fingerprint")}
+    # Whether the fingerprints were traced by the run or read from `fingerprint_cache` (older rows say neither).
+    cached = frozenset({r.get("fingerprint_cached") for r in rows if r.get("kernel_fingerprint")} - {None})
+    source = {frozenset({True}): "; read from the fingerprint cache", frozenset({False}): "; traced by this run",
+              frozenset({True, False}): "; some read from the fingerprint cache"}.get(cached, "")
     windows = sorted({r["window"] for r in rows if r.get("window") is not None})
     blocks = sorted({str(r.get("block") or "automatic") for r in rows if r["rule"] != REFERENCE})
     names = [f"{m} ({DEFAULT_MODEL_WEIGHTS}: 4-bit-quantized weights)" if m == DEFAULT_MODEL_NAME else m
@@ -147,7 +151,7 @@ def _header(rows: list[dict], sort: str) -> list[str]:
              f"{first['threads']} torch thread(s)",
              f"- {len(rows)} rows; cells are mean score [95% interval] (samples). Score = fraction of the expected "
              "answers found in the output.",
-             "- kernel: " + (f"one shared kernel for every rule (fingerprint `{next(iter(prints))[:16]}`)"
+             "- kernel: " + (f"one shared kernel for every rule (fingerprint `{next(iter(prints))[:16]}`{source})"
                              if len(prints) == 1 else
                              f"**{len(prints)} different kernel fingerprints** — rules did not run the same kernel"
                              if prints else "no budgeted rows"),
