@@ -418,3 +418,25 @@ def test_single_token_choices_move_with_the_budget(setup, tmp_path, protocol):
     hf = _hf(model_dir, [MC1], tm)
     assert max(abs(a - b) for a, b in zip(lls[1], [float(c[0][0]) for r in _resps(hf, MC1) for c in r])) < 1e-4
     assert max(abs(a - b) for a, b in zip(*lls)) > 1e-3  # the budget reaches the one scored token
+
+
+def test_question_marker_ruler_finds_rulers_question(tok):
+    """`question_marker=ruler`: the question of a RULER prompt starts where RULER's template puts it (kvpress's split),
+    found without a hand-written marker; a prompt of no RULER family is refused, never cut elsewhere."""
+    from types import SimpleNamespace
+
+    from fxbudget.harness.tasks.ruler import RULER_TASKS
+    from fxbudget.lmeval.options import parse
+
+    def prefilled(context):
+        # one token per character: every position is a token boundary
+        fake = SimpleNamespace(opts=parse({"budget": 8, "protocol": "query-agnostic", "question_marker": "ruler"}),
+                               _question_at={}, tok_encode=lambda text: list(range(len(text))))
+        ids = list(range(len(context)))
+        return FxBudgetLM._prefilled(fake, context, ids, len(ids))
+
+    sample = RULER_TASKS["ruler:niah_single_1"](tok, 1024, seed=0)
+    prompt = sample.context + sample.question
+    assert prefilled(prompt) == len(sample.context)
+    with pytest.raises(ValueError, match="question_marker"):
+        prefilled("a context with no question of any RULER family")

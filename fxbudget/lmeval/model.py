@@ -37,9 +37,10 @@ from tqdm import tqdm
 
 from ..api import kernel_fingerprint
 from ..harness.runner import budget_fraction
+from ..harness.tasks.ruler import find_question
 from . import loading
 from .engine import Budgeted
-from .options import parse
+from .options import RULER_MARKER, parse
 
 # Stands in for the last user turn's content to find where it starts in the rendered template.
 _SENTINEL = "\u2063fxbudget:question\u2063"
@@ -131,7 +132,10 @@ class FxBudgetLM(HFLM):
         if self.opts.protocol != "query-agnostic":
             return kept
         marker = self.opts.question_marker
-        at = self._question_at.get(context) if marker is None else context.rfind(marker)
+        if marker == RULER_MARKER:  # RULER's templates, whatever the task family (`tasks.ruler.find_question`)
+            at = find_question(context)
+        else:
+            at = self._question_at.get(context) if marker is None else context.rfind(marker)
         if at is None or at < 0:
             where = "no chat-template mark" if marker is None else f"no question_marker {marker!r}"
             raise ValueError(f"{NO_MARK}; this request's context has {where}: {context[:80]!r}...")

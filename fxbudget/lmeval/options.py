@@ -17,6 +17,8 @@ from ..harness.runner import budget_fraction
 from ..kernel import DEFAULT_BLOCK
 from ..rules import Rule, available, canonical, get, rule_fields, unknown_rule_message
 
+# question_marker=ruler: the question of a RULER prompt found by RULER's own templates (lm-eval's `ruler` tasks).
+RULER_MARKER = "ruler"
 INSTALL_HINT = "pip install 'flexbudget[lmeval]'"
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 # lm-eval `hf` arguments that mean the same here and are handed to its HFLM base (tokenization, truncation, batch).
