@@ -176,3 +176,18 @@ def test_in_order_scoring_on_hand_made_predictions():
     assert score(s, "raven, kettle, plum, pear, apple") == 0.2
     with pytest.raises(ValueError):
         in_order_score("apple", [])
+
+
+def test_answers_cut_at_their_limit_are_counted_and_said():
+    rows = [row("full", s, tokens=100) for s in range(6)] + [row("snapkv", s, tokens=100 - (s == 0)) for s in range(6)]
+    for r in rows:
+        r["max_new_tokens"] = 100
+    table = R.length_table(rows)
+    assert table.splitlines()[0].endswith("| end-to-end s | at max_new_tokens |")
+    assert "| full (unmodified model) | - | 1.00 [0.54, 1.00] (6) | 100.0 | 1.50 | 6/6 |" in table
+    assert "| 99.8 | 1.50 | 5/6 |" in table
+    assert "- 11 of 12 answers compared here stopped at their max_new_tokens" in length_tables(rows)
+    # Rows that do not record their limit: no column, no line (the report cannot tell).
+    for r in rows:
+        del r["max_new_tokens"]
+    assert "max_new_tokens" not in R.length_table(rows) and "max_new_tokens" not in length_tables(rows)

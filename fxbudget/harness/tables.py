@@ -261,14 +261,26 @@ def _rule_budgets(rows, sort: str):
             yield rule, budget, groups[budget]
 
 
+def at_limit(rows) -> tuple[int, int] | None:
+    """`(answers that stopped at their max_new_tokens, answers)` over `rows`; None when a row does not record its
+    limit (`max_new_tokens`): there a length may be the limit's, not the model's, and the report cannot tell."""
+    if not rows or any(r.get("max_new_tokens") is None for r in rows):
+        return None
+    return sum(r["output_tokens"] >= r["max_new_tokens"] for r in rows), len(rows)
+
+
 def length_table(rows, sort: str = "accuracy") -> str:
     """Markdown: per rule and budget, the mean score [95% interval] (samples) beside the mean output tokens and the
-    mean end-to-end seconds (`end_to_end_s`)."""
-    lines = ["| rule | budget | accuracy | output tokens | end-to-end s |", "|---" * 5 + "|"]
+    mean end-to-end seconds (`end_to_end_s`); with rows that record their limit, how many answers reached it."""
+    limits = at_limit(rows) is not None
+    lines = ["| rule | budget | accuracy | output tokens | end-to-end s |" + (" at max_new_tokens |" if limits else ""),
+             "|---" * (5 + limits) + "|"]
     for rule, budget, rs in _rule_budgets(rows, sort):
+        cut = at_limit(rs)
         lines.append(f"| {rule_name(rule)} | {budget if budget is not None else '-'} | "
                      f"{cell(mean_interval([r['score'] for r in rs]))} | "
-                     f"{mean(r['output_tokens'] for r in rs):.1f} | {mean(end_to_end_s(r) for r in rs):.2f} |")
+                     f"{mean(r['output_tokens'] for r in rs):.1f} | {mean(end_to_end_s(r) for r in rs):.2f} |"
+                     + (f" {cut[0]}/{cut[1]} |" if limits else ""))
     return "\n".join(lines)
 
 
@@ -325,6 +337,11 @@ def length_tables(rows, heading: str = "####") -> str | None:
     parts = []
     for b, got in pairs.items():
         parts += [f"{heading} B={b}: output tokens vs the unmodified model", ""] + length_verdict(got)
+        cut = at_limit([r for r in rows if (r["rule"] == REFERENCE and sample_id(r) in ref)
+                        or (r["rule"] in got and budget_label(r) == b)])
+        if cut and cut[0]:
+            parts.append(f"- {cut[0]} of {cut[1]} answers compared here stopped at their max_new_tokens: there a "
+                         "length is the limit's, not the model's (a longer --max-new-tokens shows how far it runs)")
         parts += ["", "| rule | samples | full tokens | rule tokens | Δ tokens [95% CI] | p (Holm) |",
                   "|---" * 6 + "|"]
         for rule, (d, p) in got.items():
