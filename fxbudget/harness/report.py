@@ -151,7 +151,8 @@ def _header(rows: list[dict], sort: str) -> list[str]:
              f"torch {first['torch']}, transformers {first['transformers']}, fxbudget {first['fxbudget']}, "
              f"{first['threads']} torch thread(s)",
              f"- {len(rows)} rows; cells are mean score [95% interval] (samples). Score = fraction of the expected "
-             "answers found in the output.",
+             "answers found in the output" + ("; list_keys: fraction of the keys listed in order." if any(
+                 r["task"] == "list_keys" for r in rows) else "."),
              "- kernel: " + (f"one shared kernel for every rule (fingerprint `{next(iter(prints))[:16]}`)"
                              if len(prints) == 1 else
                              f"**{len(prints)} different kernel fingerprints** — rules did not run the same kernel"
