@@ -17,12 +17,13 @@ from .protocol_note import header_note, section_note
 from .results import read_rows
 from .runner import REFERENCE
 from .stats import leaders, mean_interval, no_interval_reason
-from .tables import accuracy_table, cost_table, likelihood_table, mean_mib, paired, paired_tables
+from .tables import (accuracy_table, cost_table, end_to_end_s, length_table, length_tables, likelihood_table, mean_mib,
+                     paired, paired_tables)
 
 # Names other modules import from here (cli, search, tests); they live in the modules above.
-__all__ = ["GROUP", "METRICS", "PAIRED_FIELDS", "accuracy_table", "budget_label", "budgets", "likelihood_table",
-           "load_rows", "markdown", "paired", "paired_rows", "paired_tables", "report", "rule_order", "sample_id",
-           "setting", "summarize", "write_csv"]
+__all__ = ["GROUP", "METRICS", "PAIRED_FIELDS", "accuracy_table", "budget_label", "budgets", "length_table",
+           "length_tables", "likelihood_table", "load_rows", "markdown", "paired", "paired_rows", "paired_tables",
+           "report", "rule_order", "sample_id", "setting", "summarize", "write_csv"]
 
 # Columns a summary groups by: a protocol, chunk size or backend is never averaged with another.
 GROUP = ("model", "protocol", "chunk_size", "backend", "task", "length", "rule", "budget")
@@ -49,8 +50,8 @@ def load_rows(dirs: list[str | Path]) -> list[dict]:
 
 def summarize(rows: list[dict]) -> list[dict]:
     """One line per `GROUP` (budget = `budget_label`): samples, mean score and its 95% interval, the answer
-    log-likelihood (mean per token, and relative to the unmodified model with its interval), mean times, KV memory,
-    kernel fingerprint."""
+    log-likelihood (mean per token, and relative to the unmodified model with its interval), mean times (end to end:
+    prefill + decode to the last token), output tokens, KV memory, kernel fingerprint."""
     refs = reference_logprobs(rows)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
@@ -70,6 +71,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "logprob_delta_hi": dv.hi if dv and dv.bounded else None,
                     "logprob_delta_interval": _interval_name(dv),
                     "prefill_s": mean(r["prefill_s"] for r in rs), "decode_s": mean(r["decode_s"] for r in rs),
+                    "end_to_end_s": mean(end_to_end_s(r) for r in rs),
                     "likelihood_s": mean_or_none(r.get("likelihood_s") for r in rs),
                     "output_tokens": mean(r["output_tokens"] for r in rs),
                     "kv_held_mib": mean_mib(rs, "kv_held_bytes"),
@@ -123,7 +125,10 @@ READING = ("- cells: mean [95% interval] (samples). Accuracy: exact Clopper-Pear
            "the same sample (nats; 0 = no loss), its interval by inverting the paired sign-flip test (none below 6 "
            "samples: the cell says so). Paired comparisons: sign-flip permutation test on per-sample differences, "
            "Holm-adjusted over the comparisons with the top rule (highest mean); tier 1 = cannot be told apart from "
-           "the top at this sample size; \"best\" only for a rule separated from every other one. See the "
+           "the top at this sample size; \"best\" only for a rule separated from every other one. Output length: "
+           "tokens generated to the end of the answer, beside accuracy with the end-to-end seconds (prefill + decode "
+           "to the last token); each rule against the unmodified model on the same samples, the same sign-flip test, "
+           "Holm over the budget's rules; a rule \"lengthens answers\" only when separated with longer ones. See the "
            "documentation, \"Reading a report\" (docs/compare.md).")
 
 
@@ -150,7 +155,8 @@ def _header(rows: list[dict], sort: str) -> list[str]:
              f"torch {first['torch']}, transformers {first['transformers']}, fxbudget {first['fxbudget']}, "
              f"{first['threads']} torch thread(s)",
              f"- {len(rows)} rows; cells are mean score [95% interval] (samples). Score = fraction of the expected "
-             "answers found in the output.",
+             "answers found in the output" + ("; list_keys: fraction of the keys listed in order." if any(
+                 r["task"] == "list_keys" for r in rows) else "."),
              "- kernel: " + (f"one shared kernel for every rule (fingerprint `{next(iter(prints))[:16]}`{source})"
                              if len(prints) == 1 else
                              f"**{len(prints)} different kernel fingerprints** — rules did not run the same kernel"
@@ -238,6 +244,8 @@ def _section(rows, sort, title, details=False) -> list[str]:
     if lik:
         parts += ["answer log-likelihood per token (nats): absolute, and the rule minus the unmodified model:", "",
                   lik, ""]
+    parts += ["output length and end-to-end time (prefill + decode to the last token), mean per sample:", "",
+              length_table(rows, sort), ""]
     pairs = paired_tables(rows, sort)
     if pairs:
         if details:
@@ -246,6 +254,13 @@ def _section(rows, sort, title, details=False) -> list[str]:
             parts += [f"paired comparisons per budget (ranked by {sort}):", "", pairs, ""]
     elif not details:
         parts += ["paired comparisons: none (they need two budgeted rules on common samples at a budget).", ""]
+    lengths = length_tables(rows)
+    if lengths:
+        if details:
+            parts += [DETAILS.format("output length vs the unmodified model per budget"), "", lengths, "",
+                      "</details>", ""]
+        else:
+            parts += ["output length vs the unmodified model per budget (paired, same samples):", "", lengths, ""]
     return parts
 
 

@@ -1,5 +1,6 @@
 """The report's Markdown tables: accuracy and answer likelihood per rule x budget, the paired comparisons per budget
-(`stats.rank`), and the cost per rule and budget."""
+(`stats.rank`), output length and end-to-end time beside accuracy with each rule's answer length against the
+unmodified model's (paired), and the cost per rule and budget."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import numpy as np
 from .grouping import (METRICS, budget_label, budget_order, budgets, logprob_delta, mean_or_none, metric_values,
                        reference_logprobs, rule_order, sample_id, setting, settings)
 from .runner import REFERENCE
-from .stats import leaders, mean_interval, no_interval_reason, rank, separation_sentence
+from .stats import (ALPHA, holm, leaders, mean_interval, no_interval_reason, paired_diff, rank, samples_to_separate,
+                    separation_sentence, smallest_p)
 
 
 def _columns(rows, by_setting: bool) -> list[tuple[str, str | None, object]]:
@@ -242,28 +244,132 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-def cost_table(rows, sort: str = "accuracy") -> str:
-    """Markdown: per rule and budget, the mean prefill (the shared forward apart from the row's branch), decode and
-    likelihood seconds, output tokens, KV memory held and allocated, and the compile seconds summed."""
-    lines = ["| rule | budget | prefill s | decode s | likelihood s | output tokens | KV MiB held / allocated | "
-             "compile s |",
-             "|---" * 8 + "|"]
+def end_to_end_s(row: dict) -> float:
+    """A row's end-to-end seconds: prefill (the shared forward included) plus decode to the last token (the question
+    as the protocol appends it, then every generated token); the likelihood pass is not part of answering."""
+    return row["prefill_s"] + row["decode_s"]
+
+
+def _rule_budgets(rows, sort: str):
+    """`(rule, budget label, rows)` in `sort` order, each rule's budgets increasing (the reference's is None)."""
     for rule in rule_order(rows, sort):
         groups = defaultdict(list)
         for r in rows:
             if r["rule"] == rule:
                 groups[budget_label(r)].append(r)
         for budget in sorted(groups, key=lambda b: (b is not None, budget_order(b) if b is not None else ())):
-            rs = groups[budget]
-            prefill = f"{mean(r['prefill_s'] for r in rs):.2f}"
-            if rs[0].get("shared_prefill"):  # the forward ran once per sample for all rules; this row branched
-                prefill = f"{mean(r['prefill_s'] - r['branch_s'] for r in rs):.1f} shared + " \
-                          f"{mean(r['branch_s'] for r in rs):.2f}"
-            likelihood = mean_or_none(r.get("likelihood_s") for r in rs)
-            lines.append(f"| {rule} | {budget if budget is not None else '-'} | {prefill} | "
-                         f"{mean(r['decode_s'] for r in rs):.2f} | "
-                         f"{'-' if likelihood is None else f'{likelihood:.2f}'} | "
-                         f"{mean(r['output_tokens'] for r in rs):.1f} | "
-                         f"{_fmt(mean_mib(rs, 'kv_held_bytes'))} / {_fmt(mean_mib(rs, 'kv_allocated_bytes'))} | "
-                         f"{sum(r['compile_s'] for r in rs):.1f} |")
+            yield rule, budget, groups[budget]
+
+
+def at_limit(rows) -> tuple[int, int] | None:
+    """`(answers that stopped at their max_new_tokens, answers)` over `rows`; None when a row does not record its
+    limit (`max_new_tokens`): there a length may be the limit's, not the model's, and the report cannot tell."""
+    if not rows or any(r.get("max_new_tokens") is None for r in rows):
+        return None
+    return sum(r["output_tokens"] >= r["max_new_tokens"] for r in rows), len(rows)
+
+
+def length_table(rows, sort: str = "accuracy") -> str:
+    """Markdown: per rule and budget, the mean score [95% interval] (samples) beside the mean output tokens and the
+    mean end-to-end seconds (`end_to_end_s`); with rows that record their limit, how many answers reached it."""
+    limits = at_limit(rows) is not None
+    lines = ["| rule | budget | accuracy | output tokens | end-to-end s |" + (" at max_new_tokens |" if limits else ""),
+             "|---" * (5 + limits) + "|"]
+    for rule, budget, rs in _rule_budgets(rows, sort):
+        cut = at_limit(rs)
+        lines.append(f"| {rule_name(rule)} | {budget if budget is not None else '-'} | "
+                     f"{cell(mean_interval([r['score'] for r in rs]))} | "
+                     f"{mean(r['output_tokens'] for r in rs):.1f} | {mean(end_to_end_s(r) for r in rs):.2f} |"
+                     + (f" {cut[0]}/{cut[1]} |" if limits else ""))
+    return "\n".join(lines)
+
+
+def length_pairs(rows) -> dict:
+    """Per budget label: `{rule: (PairedDiff of output tokens, rule minus the unmodified model, on the samples both
+    ran; Holm-adjusted p over that budget's rules)}`. Empty without reference rows."""
+    ref = {sample_id(r): r["output_tokens"] for r in rows if r["rule"] == REFERENCE}
+    out = {}
+    for b in budgets(rows):
+        diffs = {}
+        for rule in sorted({r["rule"] for r in rows if budget_label(r) == b}):
+            own = {sample_id(r): r["output_tokens"] for r in rows if r["rule"] == rule and budget_label(r) == b}
+            ids = sorted(set(own) & set(ref), key=str)
+            if ids:
+                diffs[rule] = paired_diff([own[i] for i in ids], [ref[i] for i in ids])
+        if diffs:
+            out[b] = dict(zip(diffs, zip(diffs.values(), holm([d.p for d in diffs.values()]))))
+    return out
+
+
+def length_verdict(pairs: dict, alpha: float = ALPHA) -> list[str]:
+    """The lines on one budget's `length_pairs`: the rules that lengthen (or shorten) answers against the unmodified
+    model (Holm p < `alpha`), else that none does at this sample size, or that the sample size cannot tell."""
+    longer = [r for r, (d, p) in pairs.items() if p < alpha and d.mean > 0]
+    shorter = [r for r, (d, p) in pairs.items() if p < alpha and d.mean < 0]
+    lines = []
+    if longer:
+        lines.append(f"- lengthens answers against the unmodified model (Holm p < {alpha:g}): "
+                     + ", ".join(f"**{r}**" for r in longer))
+    if shorter:
+        lines.append(f"- shortens answers against the unmodified model (Holm p < {alpha:g}): "
+                     + ", ".join(f"**{r}**" for r in shorter))
+    n, m = max(d.n for d, _ in pairs.values()), len(pairs)
+    if not longer and smallest_p(n, m) >= alpha:
+        holm_part = f"; Holm over the {m} comparisons with full: {smallest_p(n, m):.3g}" if m > 1 else ""
+        lines.append(f"- {n} paired sample{'s' if n != 1 else ''} cannot tell whether a rule lengthens answers, "
+                     f"whatever their lengths: the paired test's smallest possible p is 2/2^{n} = {2.0 ** (1 - n):.3g}"
+                     f"{holm_part}, not below {alpha:g}; that needs at least {samples_to_separate(m, alpha)} paired "
+                     "samples, every one longer than the unmodified model's.")
+    elif not longer:
+        lines.append("- no rule lengthens answers against the unmodified model at this sample size (none has longer "
+                     f"answers with Holm p < {alpha:g})")
+    return lines
+
+
+def length_tables(rows, heading: str = "####") -> str | None:
+    """Markdown: per budget, each rule's output tokens against the unmodified model's on the same samples: both
+    means, the paired difference [95% interval], the sign-flip p (Holm-adjusted over the budget's rules), and
+    `length_verdict`. None without reference rows or budgeted rules on their samples."""
+    pairs = length_pairs(rows)
+    if not pairs:
+        return None
+    ref = {sample_id(r): r["output_tokens"] for r in rows if r["rule"] == REFERENCE}
+    parts = []
+    for b, got in pairs.items():
+        parts += [f"{heading} B={b}: output tokens vs the unmodified model", ""] + length_verdict(got)
+        cut = at_limit([r for r in rows if (r["rule"] == REFERENCE and sample_id(r) in ref)
+                        or (r["rule"] in got and budget_label(r) == b)])
+        if cut and cut[0]:
+            parts.append(f"- {cut[0]} of {cut[1]} answers compared here stopped at their max_new_tokens: there a "
+                         "length is the limit's, not the model's (a longer --max-new-tokens shows how far it runs)")
+        parts += ["", "| rule | samples | full tokens | rule tokens | Δ tokens [95% CI] | p (Holm) |",
+                  "|---" * 6 + "|"]
+        for rule, (d, p) in got.items():
+            own = [r for r in rows if r["rule"] == rule and budget_label(r) == b and sample_id(r) in ref]
+            full = mean(ref[sample_id(r)] for r in own)
+            parts.append(f"| {rule} | {d.n} | {full:.1f} | {mean(r['output_tokens'] for r in own):.1f} | "
+                         f"{interval(d, 1)} | {p:.3f} |")
+        parts.append("")
+    return "\n".join(parts).rstrip()
+
+
+def cost_table(rows, sort: str = "accuracy") -> str:
+    """Markdown: per rule and budget, the mean prefill (the shared forward apart from the row's branch), decode,
+    end-to-end (`end_to_end_s`) and likelihood seconds, output tokens, KV memory held and allocated, and the compile
+    seconds summed."""
+    lines = ["| rule | budget | prefill s | decode s | end-to-end s | likelihood s | output tokens | "
+             "KV MiB held / allocated | compile s |",
+             "|---" * 9 + "|"]
+    for rule, budget, rs in _rule_budgets(rows, sort):
+        prefill = f"{mean(r['prefill_s'] for r in rs):.2f}"
+        if rs[0].get("shared_prefill"):  # the forward ran once per sample for all rules; this row branched
+            prefill = f"{mean(r['prefill_s'] - r['branch_s'] for r in rs):.1f} shared + " \
+                      f"{mean(r['branch_s'] for r in rs):.2f}"
+        likelihood = mean_or_none(r.get("likelihood_s") for r in rs)
+        lines.append(f"| {rule} | {budget if budget is not None else '-'} | {prefill} | "
+                     f"{mean(r['decode_s'] for r in rs):.2f} | {mean(end_to_end_s(r) for r in rs):.2f} | "
+                     f"{'-' if likelihood is None else f'{likelihood:.2f}'} | "
+                     f"{mean(r['output_tokens'] for r in rs):.1f} | "
+                     f"{_fmt(mean_mib(rs, 'kv_held_bytes'))} / {_fmt(mean_mib(rs, 'kv_allocated_bytes'))} | "
+                     f"{sum(r['compile_s'] for r in rs):.1f} |")
     return "\n".join(lines)

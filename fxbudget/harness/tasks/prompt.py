@@ -10,7 +10,12 @@ def score(sample: Sample, prediction: str) -> float:
 
     A sample that names a RULER metric in ``meta["metric"]`` (the ``ruler:`` tasks) is scored as RULER scores it:
     its prediction post-processed as RULER does, then ``string_match_all`` or ``string_match_part`` (any answer found).
+    A sample with ``meta["scoring"] == "keys_in_order"`` (``list_keys``) scores the fraction of its answers listed in
+    order (``list_keys.in_order_score``).
     """
+    if sample.meta.get("scoring") == "keys_in_order":
+        from .list_keys import in_order_score
+        return in_order_score(prediction, sample.answers)
     if "metric" in sample.meta:
         from .ruler.scoring import ruler_score
         return ruler_score(sample.meta["metric"], prediction, sample.answers)
