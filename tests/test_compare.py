@@ -28,7 +28,7 @@ ROW_FIELDS = ("model", "rule", "rule_params", "budget", "protocol", "chunk_size"
               "kv_allocated_bytes", "kv_held_bytes", "prefill_s", "decode_s",
               "compile_s", "output_tokens", "prediction", "score", "depth", "n_tokens", "answers", "malloc",
               "answer_tokens", "answer_logprob", "answer_logprob_mean", "likelihood_s", "budget_fraction",
-              "context_tokens")
+              "context_tokens", "max_new_tokens")
 # Every run of this file is on the same tiny model: each rule's fingerprint is traced once, not once per run.
 pytestmark = pytest.mark.usefixtures("shared_fingerprints")
 

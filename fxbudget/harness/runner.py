@@ -297,7 +297,10 @@ class Runner:
                                          question, answer, max_new, shared, shared_s)
                 row["shared_prefill_peak_mem_bytes"] = shared_peak if row["shared_prefill"] else None
                 prediction = self.tok.decode(row.pop("output_ids"), skip_special_tokens=True).strip()
+                # max_new_tokens: the cap the answer ran under (an answer at it was cut, not finished: the report's
+                # output-length comparison counts those)
                 row.update(base, protocol=protocol, budget_fraction=None if spec is None else budget_fraction(spec),
+                           max_new_tokens=max_new,
                            prediction=prediction, score=score(sample, prediction),
                            key=row_key(self.model_name, g, unit, protocol, rule_name, spec))
                 yield row
