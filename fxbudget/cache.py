@@ -84,6 +84,7 @@ class BudgetLayer(CacheLayerMixin):
         # Post-RoPE keys and queries are this factor times a rotation (the rotary embedding's `attention_scaling`:
         # YaRN's; 1 for default RoPE), known from the model (`BudgetCache.set_rope`); 1 from a config alone.
         self.rope_scaling = 1.0
+        self.rope_known = inv_freq is not None  # from the config (or `BudgetCache.set_rope`): no device read
         # The layer's output projection as the `wov_norm` signal reads it (per query head, the R of W_o's slice:
         # `kernel_signals.out_projection_factors`), set by `BudgetCache.set_output_projections`; NaN while unknown.
         # Not KV bytes (`kv_bytes`): q_heads x v_head_dim^2 floats per layer, v_head_dim / hidden of the o_proj weight.
@@ -234,13 +235,10 @@ class BudgetCache(Cache):
         full_budgets = iter(layer_budgets or [budget] * n_full)
         layers = []
         self.call = CallPositions()  # set by BudgetForward around each call; shared by every layer
-        rope_known = []  # per budgeted layer (from the config, so no device is read back)
         for i, t in enumerate(types):
             sliding = windows[i]
             b = sliding or next(full_budgets)
             inv_freq = layer_inv_freq(cfg, i, t, head_dim)
-            if not sliding:
-                rope_known.append(inv_freq is not None)
             layers.append(BudgetLayer(
                 layer=i, budget=b, slots=sliding or b + headroom, sliding=sliding,
                 batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
@@ -249,7 +247,8 @@ class BudgetCache(Cache):
         self.budget, self.headroom, self.dtype, self.head_pool = budget, headroom, dtype, head_pool
         self.devices, self.device = devices, devices[0]  # each layer's; the first layer's (positions live there)
         self.layer_budgets = [layer.budget for layer in self._budgeted()]
-        self.has_rope = all(rope_known)  # every budgeted layer's frequencies are known (`set_rope` may add them)
+        # Every budgeted layer's frequencies known (`set_rope` may add them); kept on the Python side, never read back.
+        self.has_rope = all(layer.rope_known for layer in self._budgeted())
         self.signature = (n_layers, kv_heads, head_dim, heads, types)  # what the cache was built for
         self._frozen = False
         # The next position of each row (rows of a left-padded batch have seen different numbers of tokens).
@@ -280,14 +279,18 @@ class BudgetCache(Cache):
             if not isinstance(entry, tuple):
                 layer.inv_freq = torch.full((head_dim // 2,), float("nan"), device=layer.device)
                 layer.rope_scaling = 1.0
+                layer.rope_known = False
                 continue
             inv_freq, scaling = entry
             if inv_freq.dim() != 1 or not 0 < inv_freq.shape[0] <= head_dim // 2:
                 raise ValueError(f"layer {layer.layer}: RoPE frequencies of shape {tuple(inv_freq.shape)} for head "
                                  f"dim {head_dim}")
+            # Known or not is read on the entry's own device (the CPU), never back from the layer's: a layer may
+            # live on a device that cannot be read (meta, for an offloaded model) or whose reads sync.
+            layer.rope_known = not bool(torch.isnan(inv_freq.detach().cpu()).any())
             layer.inv_freq = inv_freq.detach().to(layer.device, torch.float32).clone()
             layer.rope_scaling = float(scaling)
-        self.has_rope = not any(bool(torch.isnan(layer.inv_freq).any()) for layer in self._budgeted())
+        self.has_rope = all(layer.rope_known for layer in self._budgeted())
 
     def set_output_projections(self, weights: list[Tensor | None]) -> None:
         """Attach each layer's output projection weight (`o_proj.weight`, `[hidden, q_heads * v_head_dim]`, None =

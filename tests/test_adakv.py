@@ -256,7 +256,7 @@ def test_get_routes_alpha_to_adakv_and_the_rest_to_the_rule():
     assert r.name == "adakv:snapkv" and r.alpha == 0.1 and r.window == 64
     assert r.rule == SnapKV(window=64, kernel=5, pooling="avg")
     assert r.params() == {"alpha": 0.1, "window": 64, "kernel": 5, "pooling": "avg"}
-    assert r.floor(256) == 25 and get("adakv:snapkv").floor(256) == 51
+    assert r.head_floor(256) == 25 and get("adakv:snapkv").head_floor(256) == 51
     # Schedules compose: the layer's total from pyramidkv, its spread from AdaKV.
     p = get("adakv:pyramidkv", window=4)
     assert p.layer_budgets(16, 4) == get("pyramidkv", window=4).layer_budgets(16, 4)

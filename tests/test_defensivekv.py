@@ -238,4 +238,4 @@ def test_adakv_defensivekv_refused_without_the_output_projection():
     assert rules.get("adakv:defensivekv").needs_wo and rules.Pyramid(rules.get("defensivekv")).needs_wo
     assert not rules.get("adakv:snapkv").needs_wo and not rules.Pyramid(rules.get("snapkv")).needs_wo
     with pytest.raises(ValueError, match="rule 'adakv:defensivekv' needs each attention layer's output projection"):
-        fxbudget.compile(odd, rule="adakv:defensivekv", budget=8)
+        fxbudget.compile(odd, rule="adakv:defensivekv", budget=64)  # above the 32 it protects per head

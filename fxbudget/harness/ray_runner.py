@@ -155,7 +155,7 @@ class RayRunner:
         self.model_name = source.name
         self.writer = Runner(None, None, self.model_name, grid, out_dir, shard=shard, progress=progress,
                              max_new_tokens=max_new_tokens)
-        self.path, self.tune = self.writer.path, tune_malloc
+        self.path, self.out_dir, self.tune = self.writer.path, self.writer.out_dir, tune_malloc
         self.compile_s = self.run_s = 0.0
         self.workers: list[dict] = []  # what each worker reported when it started (pid, node, model, env)
         self.busy: dict[int, tuple[Unit, int]] = {}  # worker pid -> (its unit in flight, rows received)
