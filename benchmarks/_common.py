@@ -289,7 +289,7 @@ class LayerCase:
     """One attention layer with a full BudgetCache (every call evicts `n`), random inputs, fixed shapes.
 
     `compiled()` compiles the layer through fxbudget's backend (the SDPA pass + Inductor) once and returns a
-    zero-argument step; `eager()` returns a step running `fxbudget.budget_attention.budget_attention` directly (no torch.compile);
+    zero-argument step; `eager()` returns a step running `fxbudget.kernel.budget_attention` directly (no torch.compile);
     `static_sdpa()` returns the ideal that never evicts: a compiled index_copy_ of the call's K/V into a static cache of
     `budget` tokens, then SDPA over it (causal among the new tokens). Compile times are kept in `compile_s`.
     """
@@ -367,7 +367,7 @@ class LayerCase:
         import torch
 
         from fxbudget.backend import kernel_window
-        from fxbudget.budget_attention import budget_attention
+        from fxbudget.kernel import budget_attention
 
         L, rule, window, n = self.layer, self.rule, kernel_window(self.rule), self.n
         q, k, v = self.q, self.k, self.v

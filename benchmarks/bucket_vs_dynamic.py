@@ -31,25 +31,25 @@ def _compile(dynamic: bool):
     import torch
     from torch._dynamo.utils import counters
 
-    import fxbudget.kernel
+    import fxbudget.kernel.rule_region
     from fxbudget.backend import kernel_window
-    from fxbudget.kernel import SIGNAL_NAMES, evict, measure, rule_region
+    from fxbudget.kernel import PER_HEAD, LayerConstants, LayerSlots, NewTokens, evict_phase, measure_phase, rule_phase
     from fxbudget.rules import get
 
     rule = get("knorm")  # Dynamo cannot trace Signals.order (a cached_property with a lock), so no snapkv here
     window = kernel_window(rule)
     # Nor the rule contract's storage check (the SDPA pass enforces it while tracing with make_fx): knorm writes
     # nothing, and this benchmark compiles the kernel with Dynamo directly, so it runs without the check.
-    fxbudget.kernel.NoMutation = lambda rule, signals: contextlib.nullcontext()
+    fxbudget.kernel.rule_region.NoMutation = lambda rule, signals: contextlib.nullcontext()
 
     def kernel(q, k, v, new_pos, keys, values, pos, state, norms, totals, inv_freq, wo):
         # The three phases as the SDPA pass splices them (measure traced: no data-dependent branch).
-        out, new_totals, *signals = measure(q, keys, values, pos, state, norms, k, v, new_pos.expand(q.shape[0], -1),
-                                            inv_freq, wo, window=window, sliding=0, scale=None, traced=True)
-        score = rule_region(rule, keys.shape[2], min(window, k.shape[2]), *signals)
-        sig = dict(zip(SIGNAL_NAMES, signals))
-        evict(score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], sig["wov_norm"], new_totals, keys,
-              values, pos, state, norms, totals, k, v, keep=keys.shape[2])
+        slots = LayerSlots(keys, values, pos, state, norms, totals, None)
+        new = NewTokens(k, v, new_pos.expand(q.shape[0], -1))
+        out, new_totals, signals = measure_phase(PER_HEAD, q, slots, new, LayerConstants(inv_freq, wo),
+                                                 window=window, sliding=0, scale=None, block=None, traced=True)
+        score = rule_phase(PER_HEAD, rule, keys.shape[2], window, signals)
+        evict_phase(PER_HEAD, score, signals, new_totals, slots, new, keep=keys.shape[2])
         return out
 
     before = counters["stats"]["unique_graphs"]

@@ -5,7 +5,7 @@
 
 Layer level (Qwen2.5-0.5B attention shapes: 14 query heads, 2 KV heads, head dim 64, fp32): a BudgetCache layer that
 is full, so every call evicts; a decode step (1 new token) and a prefill chunk (`--chunk` new tokens). Eager =
-`fxbudget.budget_attention.budget_attention` called directly (no torch.compile); compiled = the layer compiled through
+`fxbudget.kernel.budget_attention` called directly (no torch.compile); compiled = the layer compiled through
 fxbudget's backend (the SDPA pass, then Inductor). Interleaved repetitions, medians.
 Model level (`--model-budget`, skipped with `--no-model`): the embedded model under `fxbudget.compile(...,
 backend=None)` (eager kernel) vs `backend="inductor"`, a prefill chunk and a decode step with a full cache; compile

@@ -8,7 +8,7 @@ same kernel with both replaced by zeros (the kernel before them), side by side i
 fairness_spread's layer (14 query / 2 KV heads, head dim 64, fp32, a full cache: every call evicts, hidden 896 for
 W_o), compiled through fxbudget's backend with Inductor, and eager (`budget_attention` called directly). For each
 rule, two steps: "new" is today's kernel; "old" runs with the three functions that compute the signals
-(`_Block.window_max`, `kernel_signals.window_max` for traced calls of several query blocks, `value_out_norms`)
+(`attention.Block.window_max`, `kernel.signals.window_max` for traced calls of several query blocks, `value_out_norms`)
 swapped for functions returning zeros of the same shapes, so the kernel is otherwise identical (the signals are still
 stored and totalled, as before them). Rounds are interleaved (rotating the starting step); times are medians
 [interquartile range] over rounds and the ratio new / old is the median [interquartile range] of the per-round ratio.
@@ -31,9 +31,11 @@ def without_new_signals():
     """Run (eager) or trace (compiled) the kernel with the two new signals replaced by zeros."""
     import torch
 
-    import fxbudget.kernel as K
+    import fxbudget.kernel.attention as A
+    import fxbudget.kernel.measure as M
+    import fxbudget.kernel.signals as S
 
-    saved = K.window_max, K.value_out_norms, K._Block.window_max
+    saved = M.window_max, S.value_out_norms, A.Block.window_max
 
     def no_window_max(blk, queries, qpos, weights, w):
         b, h = queries.shape[:2]
@@ -45,11 +47,11 @@ def without_new_signals():
     def no_wov(v, wo, acc):
         return torch.zeros(v.shape[:3], dtype=acc, device=v.device)
 
-    K.window_max, K.value_out_norms, K._Block.window_max = no_window_max, no_wov, no_block_max
+    M.window_max, S.value_out_norms, A.Block.window_max = no_window_max, no_wov, no_block_max
     try:
         yield
     finally:
-        K.window_max, K.value_out_norms, K._Block.window_max = saved
+        M.window_max, S.value_out_norms, A.Block.window_max = saved
 
 
 def _steps(rule: str, budget: int, n: int, mode: str) -> dict:

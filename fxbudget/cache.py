@@ -17,8 +17,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .checks import check_int
 from .eager import require_interceptor
-from .kernel import TOTALED
-from .kernel_signals import out_projection_factors, unknown_wo
+from .kernel.signals import TOKEN_SIGNALS, out_projection_factors, unknown_wo
+from .kernel.state import SLOT_FIELDS, TOTALED, LayerConstants, LayerSlots, NewTokens, marker_tensors
 from .architectures import layer_shapes
 from .layer_config import layer_inv_freq, layer_windows, text_config
 from .marker import MARKER_STATICS, MARKER_TENSORS, MarkerCall, candidates  # noqa: F401  (importers use cache's)
@@ -26,7 +26,7 @@ from .marker import MARKER_STATICS, MARKER_TENSORS, MarkerCall, candidates  # no
 
 # Every tensor of a layer's state: what a call writes in place, and so what saving, restoring, branching and resetting
 # a layer read (`BudgetLayer.snapshot`, `load`, `reset`). A tensor added to the layer is added here, once.
-LAYER_STATE = ("keys", "values", "pos", "state", "norms", "totals", "owner", "seen")
+LAYER_STATE = SLOT_FIELDS + ("seen",)  # the kernel's `LayerSlots`, and the count of tokens seen
 # What the kernel reads but never writes (set when the cache is built or the model attached).
 LAYER_CONSTANTS = ("inv_freq", "wo")
 
@@ -71,9 +71,9 @@ class BudgetLayer(CacheLayerMixin):
         self.values = torch.zeros(batch_size, kv_heads, slots, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch_size, kv_heads, slots), -1, dtype=torch.long, device=device)
         self.state = torch.zeros(batch_size, kv_heads, slots, dtype=torch.float32, device=device)
-        # |k|_2, |v|_2 and mean_j |W_o^(j) v|_2 (the `wov_norm` signal) of each cached entry, measured once when it is written.
-        self.norms = torch.zeros(batch_size, kv_heads, slots, 3, dtype=torch.float32, device=device)
-        # Per-call totals of each kernel signal (kernel.TOTALED): diagnostics, and what keeps every signal live.
+        # The per-token signals of each cached entry (`kernel.signals.TOKEN_SIGNALS`), measured once when it is written.
+        self.norms = torch.zeros(batch_size, kv_heads, slots, len(TOKEN_SIGNALS), dtype=torch.float32, device=device)
+        # Per-call totals of each kernel signal (kernel.state.TOTALED): diagnostics, and what keeps every signal live.
         self.totals = torch.zeros(batch_size, kv_heads, len(TOTALED), dtype=torch.float32, device=device)
         self.owner = torch.empty(batch_size, kv_heads, slots, dtype=torch.int32, device=device)
         self._own_rows()
@@ -86,7 +86,7 @@ class BudgetLayer(CacheLayerMixin):
         self.rope_scaling = 1.0
         self.rope_known = inv_freq is not None  # from the config (or `BudgetCache.set_rope`): no device read
         # The layer's output projection as the `wov_norm` signal reads it (per query head, the R of W_o's slice:
-        # `kernel_signals.out_projection_factors`), set by `BudgetCache.set_output_projections`; NaN while unknown.
+        # `kernel.signals.out_projection_factors`), set by `BudgetCache.set_output_projections`; NaN while unknown.
         # Not KV bytes (`kv_bytes`): q_heads x v_head_dim^2 floats per layer, v_head_dim / hidden of the o_proj weight.
         self.q_heads = q_heads or kv_heads
         self.wo = unknown_wo(kv_heads, self.q_heads // kv_heads, v_head_dim, device)
@@ -112,8 +112,8 @@ class BudgetLayer(CacheLayerMixin):
             if new_pos.device != self.device:  # a model spread over devices: this layer's own (no op otherwise)
                 new_pos, advance = new_pos.to(self.device), advance.to(self.device)
             self.seen.add_(advance)
-        tensors = (self.keys, self.values, self.pos, self.state, self.norms, self.totals, key_states, value_states,
-                   new_pos, self.inv_freq, self.wo, self.owner)
+        tensors = marker_tensors(self.kernel_slots(), NewTokens(key_states, value_states, new_pos),
+                                 LayerConstants(self.inv_freq, self.wo))
         k, v = torch.ops.fxbudget.candidates(*tensors, layer, self.budget, self.keep, self.sliding, self.pooled)
         if not torch.compiler.is_compiling():
             mode = require_interceptor()  # eager: the interceptor must be active, or SDPA would be wrong
@@ -131,6 +131,10 @@ class BudgetLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.slots
+
+    def kernel_slots(self) -> LayerSlots:
+        """The layer's slots as the kernel names them (the same tensors, not copies)."""
+        return LayerSlots(*(getattr(self, n) for n in SLOT_FIELDS))
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor the compiled kernel reads or writes in place (what `BudgetCache.mark_static` marks): the
@@ -295,7 +299,7 @@ class BudgetCache(Cache):
     def set_output_projections(self, weights: list[Tensor | None]) -> None:
         """Attach each layer's output projection weight (`o_proj.weight`, `[hidden, q_heads * v_head_dim]`, None =
         unknown), the `wov_norm` signal's W_o. The layer keeps its per-query-head R factors
-        (`kernel_signals.out_projection_factors`, computed once per weight), not the weight.
+        (`kernel.signals.out_projection_factors`, computed once per weight), not the weight.
 
         Raises:
             ValueError: one weight per layer is needed, each on its layer's device and of the expected width.

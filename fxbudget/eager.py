@@ -1,7 +1,7 @@
 """The eager path: the same rewrite as the SDPA pass, done at call time.
 
 While `BudgetAttentionMode` is active, the marker's outputs carry their arguments (`MarkerCall`); views and copies of
-them (repeat_kv's expand/reshape, slicing) inherit it; an SDPA call whose key carries it runs `budget_attention`
+them (repeat_kv's expand/reshape, slicing) inherit it; an SDPA call whose key carries it runs the kernel (`kernel.attend`)
 instead, exactly as the compiled graph does after the pass. This is the test oracle for the compiled path.
 """
 
@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .budget_attention import budget_attention
-from .kernel import DEFAULT_BLOCK
+from .kernel import DEFAULT_BLOCK, attend, from_marker
 from .marker import MARKER_TENSORS, NoBudgetAttentionError
 from .rules.base import Rule
 from .sdpa_args import bind, check
@@ -40,7 +39,7 @@ def require_interceptor() -> "BudgetAttentionMode":
 
 
 class BudgetAttentionMode(TorchFunctionMode):
-    """Replace SDPA over a BudgetCache's candidates with `budget_attention(rule)`, eagerly."""
+    """Replace SDPA over a BudgetCache's candidates with the kernel (`kernel.attend`), eagerly."""
 
     def __init__(self, rule: Rule, window: int, sliding_rule: Rule, block: int | None = DEFAULT_BLOCK):
         super().__init__()
@@ -102,7 +101,7 @@ def recording():
 
 
 def run_kernel(query, call, scale, cfg: BudgetAttentionMode):
-    """`budget_attention` for one marker call, with the rule the layer uses (sliding layers keep their window)."""
+    """The kernel (`kernel.attend`) for one marker call, with the rule the layer uses (sliding layers keep their window)."""
     n = call.tensors[MARKER_TENSORS.index("k_new")].shape[2]
     kv_heads = call.tensors[0].shape[1]
     if n == 1 and query.dim() == 4 and query.shape[1] == kv_heads and query.shape[2] > 1:
@@ -119,6 +118,6 @@ def run_kernel(query, call, scale, cfg: BudgetAttentionMode):
     if record is not None:
         record.append((query, call, scale))
     rule = cfg.sliding_rule if call.sliding else cfg.rule
-    return budget_attention(query, *call.tensors, rule=rule, budget=call.budget, keep=call.keep,
-                            sliding=call.sliding, window=cfg.window, scale=scale, block=cfg.block,
-                            pooled=call.pooled)
+    slots, new, const = from_marker(call.tensors)
+    return attend(query, slots, new, const, rule=rule, budget=call.budget, keep=call.keep, pooled=call.pooled,
+                  sliding=call.sliding, window=cfg.window, scale=scale, block=cfg.block)

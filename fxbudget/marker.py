@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .kernel.state import MARKER_TENSORS
+
 
 class NoBudgetAttentionError(RuntimeError):
     """Attention fed by a BudgetCache that fxbudget cannot budget: none in the traced graph, or an SDPA call (or
@@ -20,23 +22,24 @@ class NoBudgetAttentionError(RuntimeError):
 
 @torch.library.custom_op("fxbudget::candidates", mutates_args=())
 def candidates(
-    k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor, totals: Tensor,
-    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, wo: Tensor, owner: Tensor, layer: int, budget: int,
-    keep: int, sliding: int, pooled: bool,
+    keys: Tensor, values: Tensor, pos: Tensor, state: Tensor, norms: Tensor, totals: Tensor, owner: Tensor,
+    k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, wo: Tensor, layer: int, budget: int, keep: int,
+    sliding: int, pooled: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Marker: the candidate keys/values (slots then new tokens), as a plain cache would hand them to SDPA."""
-    return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
+    """Marker: the candidate keys/values (slots then new tokens), as a plain cache would hand them to SDPA. Its
+    tensors are `kernel.state.MARKER_TENSORS` (`marker_tensors` / `from_marker` convert)."""
+    return torch.cat([keys, k_new], dim=2), torch.cat([values, v_new], dim=2)
 
 
 @candidates.register_fake
-def _(k_slots, v_slots, pos_slots, state, norms, totals, k_new, v_new, new_pos, inv_freq, wo, owner, layer, budget,
-      keep, sliding, pooled):
-    return torch.cat([k_slots, k_new], dim=2), torch.cat([v_slots, v_new], dim=2)
+def _(keys, values, pos, state, norms, totals, owner, k_new, v_new, new_pos, inv_freq, wo, layer, budget, keep,
+      sliding, pooled):
+    return torch.cat([keys, k_new], dim=2), torch.cat([values, v_new], dim=2)
 
 
-# Positional argument names of the marker, shared by the pass and the eager interceptor.
-MARKER_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms", "totals", "k_new", "v_new", "new_pos",
-                  "inv_freq", "wo", "owner")
+assert MARKER_TENSORS == tuple(a.name for a in torch.ops.fxbudget.candidates.default._schema.arguments)[
+    :len(MARKER_TENSORS)], \
+    "the marker's tensors are kernel.state.MARKER_TENSORS"
 MARKER_STATICS = ("layer", "budget", "keep", "sliding", "pooled")
 
 

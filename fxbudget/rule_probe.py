@@ -11,7 +11,6 @@ report is built on (`fxbudget.harness.protocol_note`).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import sys
 import traceback
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .near import nearest
 from .rule_contract import NoMutation, RuleContractError, check_output, rule_name
 from .rules.base import Rule, Signals
 
@@ -115,8 +115,8 @@ def signals_read(rule: Rule) -> frozenset[str]:
             if protect is not None:
                 check_output(rule, "protect()", protect, like, floating=False)
     except _UnknownSignal as e:
-        near = difflib.get_close_matches(e.signal, signal_names(), n=1, cutoff=0.5)
-        hint = f" (did you mean s.{near[0]}?)" if near else ""
+        near = nearest(e.signal, signal_names(), cutoff=0.5)
+        hint = f" (did you mean s.{near}?)" if near else ""
         raise RuleProbeError(f"rule {name!r} reads s.{e.signal}{_where(e)}, which the kernel does not measure{hint}; "
                              f"the signals are: {', '.join(signal_names())}") from None
     except RuleContractError as e:

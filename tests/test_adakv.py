@@ -14,7 +14,7 @@ import torch
 import fxbudget
 from conftest import fresh, greedy, tiny_model
 from fxbudget.cache import BudgetCache
-from fxbudget.budget_attention import budget_attention
+from fxbudget.kernel import budget_attention
 from fxbudget.kernel import TOTALED
 from fxbudget.rules import AdaKV, Pyramid, Rule, get
 from fxbudget.rules.base import Signals

@@ -6,12 +6,11 @@ import torch
 from expecttest import assert_expected_inline
 
 from fxbudget import rules
-from fxbudget.block_scan import LEVEL_BLOCKS, SCAN_LEVELS, scan_levels
-from fxbudget.kernel import SIGNAL_NAMES, measure
-from fxbudget.passes.sdpa import trace_kernel
+from fxbudget.kernel.block_scan import LEVEL_BLOCKS, SCAN_LEVELS, scan_levels
+from fxbudget.kernel import SIGNAL_NAMES
 
 from host_sync import graph_host_syncs
-from test_blocks import _MEASURE_INPUTS, _call, _count
+from test_blocks import _call, _count, run_measure, run_traced_measure, trace
 
 
 def test_scan_levels_cover_the_blocks():
@@ -37,9 +36,8 @@ def test_scan_levels_cover_the_blocks():
 
 def _traced_vs_eager(n, block, sliding, h, g, held, left_pads, S=7):
     inputs = _call(h=h, g=g, S=S, held=held, n=n, left_pads=left_pads)  # float64
-    kt = trace_kernel(inputs, rules.get("h2o"), budget=S, keep=S, sliding=sliding, window=4, scale=None, block=block)
-    args = [inputs[k] for k in _MEASURE_INPUTS]
-    return kt, kt.measure(*args), measure(*args, window=4, sliding=sliding, scale=None, block=block)
+    kt = trace(inputs, rules.get("h2o"), budget=S, keep=S, sliding=sliding, window=4, scale=None, block=block)
+    return kt, run_traced_measure(kt, inputs), run_measure(inputs, window=4, sliding=sliding, scale=None, block=block)
 
 
 @pytest.mark.parametrize("n, block, sliding, h, g, held, left_pads", [
@@ -82,7 +80,7 @@ def test_traced_levels_snapshot():
     rows = {}
     for n, sliding in ((9, 0), (61, 0), (125, 0), (253, 0), (1021, 0), (61, 6), (1021, 6)):
         inputs = {k: v.float() if v.is_floating_point() else v for k, v in _call(n=n, left_pads=(0, 3)).items()}
-        kt = trace_kernel(inputs, rules.get("h2o"), budget=7, keep=7, sliding=sliding, window=4, scale=None, block=4)
+        kt = trace(inputs, rules.get("h2o"), budget=7, keep=7, sliding=sliding, window=4, scale=None, block=4)
         assert graph_host_syncs(kt.measure) == []
         rows[n, sliding] = _levels_of(kt.measure), _count(kt.measure)
     lines = []

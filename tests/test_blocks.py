@@ -8,18 +8,48 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxbudget
 from fxbudget import rules
-from fxbudget.budget_attention import budget_attention
-from fxbudget.kernel import SIGNAL_NAMES, TOTALED, _Block, auto_block, measure
-from fxbudget.kernel_signals import out_projection_factors, value_out_norms
+from fxbudget.kernel import budget_attention
+from fxbudget.kernel import MARKER_TENSORS, TOTALED, LayerConstants, LayerSlots, NewTokens, auto_block, measure
+from fxbudget.kernel.attention import Block
+from fxbudget.kernel.signals import out_projection_factors, value_out_norms
+from fxbudget.kernel.state import SIGNAL_NAMES, marker_tensors
 from fxbudget.passes.sdpa import trace_kernel
+from torch.utils import _pytree as pytree
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import COMMON, fresh, greedy, tiny_model
 from host_sync import HostSyncError, NoHostSync, graph_host_syncs
 
 F64 = dict(dtype=torch.float64)
-_MEASURE_INPUTS = ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new", "new_pos", "inv_freq",
-                   "wo")
+
+
+def kernel_args(inputs):
+    """A `_call`'s loose tensors as the kernel's named state: `(q, LayerSlots, NewTokens, LayerConstants)`."""
+    owner = torch.arange(inputs["k_slots"].shape[1], dtype=torch.int32).view(1, -1, 1).expand(
+        inputs["pos_slots"].shape).contiguous()
+    return (inputs["q"], LayerSlots(inputs["k_slots"], inputs["v_slots"], inputs["pos_slots"], inputs["state"],
+                                    inputs["norms"], inputs["totals"], owner),
+            NewTokens(inputs["k_new"], inputs["v_new"], inputs["new_pos"]),
+            LayerConstants(inputs["inv_freq"], inputs["wo"]))
+
+
+def run_measure(inputs, **kw):
+    """Eager `measure` of a `_call`: `[out, totals, *signals]` (signals in `SIGNAL_NAMES` order)."""
+    out, totals, signals = measure(*kernel_args(inputs), **kw)
+    return [out, totals, *signals.values()]
+
+
+def trace(inputs, rule, **kw):
+    """`trace_kernel` of a `_call` (the marker's tensor names, as the pass sees them)."""
+    q, slots, new, const = kernel_args(inputs)
+    return trace_kernel({**dict(zip(MARKER_TENSORS, marker_tensors(slots, new, const))), "q": q}, rule, **kw)
+
+
+def run_traced_measure(kt, inputs):
+    """The traced measure phase run on a `_call`'s tensors: `[out, totals, *signals]`, as `run_measure`."""
+    out, totals, signals = kt.measure(*pytree.tree_flatten(kernel_args(inputs))[0])
+    return [out, totals, *signals.values()]
+
 
 
 def _call(b=2, h=2, g=3, S=7, held=3, n=23, d=8, left_pads=(0, 4), seed=0):
@@ -89,8 +119,7 @@ def test_block_signals_match_direct_sums(sliding):
     softmax probabilities, per candidate, and `window_max_attn` their max over the window; pads count nowhere."""
     inputs = _call(S=4, held=4, n=9, left_pads=(0, 2))
     w = 3
-    res = measure(*(inputs[k] for k in _MEASURE_INPUTS), window=w, sliding=sliding, scale=None, block=2)
-    sig = dict(zip(SIGNAL_NAMES, res[2:]))
+    sig = measure(*kernel_args(inputs), window=w, sliding=sliding, scale=None, block=2)[2]
     b, h, g, n = 2, 2, 3, 9
     keys = torch.cat([inputs["k_slots"], inputs["k_new"]], dim=2)
     pos = sig["pos"]
@@ -124,11 +153,10 @@ def test_window_max_is_the_same_in_any_block(w, sliding):
     """window_max_attn is read off the blocks holding the window's rows: the same whatever the query block (one
     block, or a window split over blocks, some of which skip new tokens they cannot see)."""
     inputs = _call(S=4, held=4, n=9, left_pads=(0, 2))
-    args = [inputs[k] for k in _MEASURE_INPUTS]
-    ref = dict(zip(SIGNAL_NAMES, measure(*args, window=w, sliding=sliding, scale=None, block=10_000)[2:]))
+    ref = measure(*kernel_args(inputs), window=w, sliding=sliding, scale=None, block=10_000)[2]
     assert bool((ref["window_max_attn"] > 0).any())
     for blk in (2, 4):
-        got = dict(zip(SIGNAL_NAMES, measure(*args, window=w, sliding=sliding, scale=None, block=blk)[2:]))
+        got = measure(*kernel_args(inputs), window=w, sliding=sliding, scale=None, block=blk)[2]
         torch.testing.assert_close(got["window_max_attn"], ref["window_max_attn"], rtol=1e-12, atol=1e-12)
 
 
@@ -210,8 +238,8 @@ def test_temporaries_are_bounded_by_the_block(sliding):
 def _trace_inputs(n, block, sliding=0, h=2, g=3):
     inputs = {k: v.float() if v.is_floating_point() else v
               for k, v in _call(h=h, g=g, n=n, left_pads=(0, 3)).items()}
-    return inputs, trace_kernel(inputs, rules.get("h2o"), budget=7, keep=7, sliding=sliding, window=4, scale=None,
-                                block=block)
+    return inputs, trace(inputs, rules.get("h2o"), budget=7, keep=7, sliding=sliding, window=4, scale=None,
+                         block=block)
 
 
 
@@ -221,9 +249,8 @@ def _trace_inputs(n, block, sliding=0, h=2, g=3):
 def test_traced_scan_equals_eager_loop(sliding, h, g):
     """The graph pass traces measure's blocks as one scan; run on real tensors it equals the eager Python loop."""
     inputs, kt = _trace_inputs(29, 4, sliding, h, g)
-    args = [inputs[k] for k in _MEASURE_INPUTS]
-    traced = kt.measure(*args)
-    eager = measure(*args, window=4, sliding=sliding, scale=None, block=4)
+    traced = run_traced_measure(kt, inputs)
+    eager = run_measure(inputs, window=4, sliding=sliding, scale=None, block=4)
     for name, a, e in zip(("out", "totals", *SIGNAL_NAMES), traced, eager):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -257,7 +284,7 @@ def test_query_block_has_no_host_sync(sliding, h, g):
         assert graph_host_syncs(phase) == []
     b, n, d = 2, 29, 8
     qpos = inputs["new_pos"].to(torch.int32)
-    blk = _Block(inputs["k_slots"], inputs["v_slots"], inputs["pos_slots"].to(torch.int32), inputs["k_new"],
+    blk = Block(inputs["k_slots"], inputs["v_slots"], inputs["pos_slots"].to(torch.int32), inputs["k_new"],
                  inputs["v_new"], qpos.unsqueeze(1), 0.3, sliding, torch.float32)
     queries = inputs["q"].reshape(b, h, g * n, d)
     with NoHostSync():

@@ -13,8 +13,8 @@ from conftest import fresh, tiny_model
 from fxbudget import rules
 from fxbudget.cache import BudgetCache
 from fxbudget.cli.rules_table import rules_table
-from fxbudget.kernel import measure
-from fxbudget.kernel_signals import out_projection_factors
+from fxbudget.kernel import LayerConstants, LayerSlots, NewTokens, measure
+from fxbudget.kernel.signals import out_projection_factors
 from fxbudget.rules.base import Signals
 
 B, H, G, D, HIDDEN, EMPTY = 1, 2, 3, 16, 24, 5
@@ -34,12 +34,12 @@ def _kernel_score(rule, k, v, q, wo, window, budget):
     """The rule's score of a one-call prefill of the prompt on `EMPTY` empty slots, from the kernel's signals."""
     L = k.shape[1]
     z = torch.zeros(1, H, EMPTY, D, dtype=DT)
-    _, _, *sig = measure(q.unsqueeze(0), z, z, torch.full((1, H, EMPTY), -1), torch.zeros(1, H, EMPTY, dtype=DT),
-                         torch.zeros(1, H, EMPTY, 3, dtype=DT), k.unsqueeze(0), v.unsqueeze(0),
-                         torch.arange(L).unsqueeze(0), torch.full((D // 2,), float("nan"), dtype=DT),
-                         out_projection_factors(wo, H, D),
-                         window=window, sliding=0, scale=None)
-    s = Signals(*sig, budget=budget, window=torch.tensor(min(window, L)).view(1, 1, 1))
+    slots = LayerSlots(z, z, torch.full((1, H, EMPTY), -1), torch.zeros(1, H, EMPTY, dtype=DT),
+                       torch.zeros(1, H, EMPTY, 3, dtype=DT), None, None)
+    const = LayerConstants(torch.full((D // 2,), float("nan"), dtype=DT), out_projection_factors(wo, H, D))
+    _, _, sig = measure(q.unsqueeze(0), slots, NewTokens(k.unsqueeze(0), v.unsqueeze(0), torch.arange(L).unsqueeze(0)),
+                        const, window=window, sliding=0, scale=None)
+    s = Signals(**sig, budget=budget, window=torch.tensor(min(window, L)).view(1, 1, 1))
     score = rule.score(s).masked_fill(rule.protect(s), float("inf"))
     return score[0, :, EMPTY:]
 

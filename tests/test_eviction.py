@@ -232,10 +232,13 @@ def test_signed_zero_scores_tie_and_the_newer_wins(compiled):
     pos = torch.cat([torch.tensor([[3, 0, 2, 1]] * h), torch.tensor([[4, 5, 6]] * h)], dim=-1).unsqueeze(0)
     score = torch.where(pos >= 4, -0.0, 0.0).float()  # the new (newer) tokens score -0.0, the slots +0.0
     assert torch.signbit(score[..., S:]).all()
-    slots = [torch.randn(b, h, S, d), torch.randn(b, h, S, d), pos[..., :S].clone(), torch.zeros(b, h, S),
-             torch.zeros(b, h, S, 3), torch.zeros(b, h, 9)]
-    signals = [pos, torch.zeros(b, h, S + n), torch.ones(b, h, S + n), torch.ones(b, h, S + n), torch.ones(b, h, S + n),
-               torch.zeros(b, h, 9)]
+    from fxbudget.kernel import LayerSlots, NewTokens
+
+    slots = LayerSlots(torch.randn(b, h, S, d), torch.randn(b, h, S, d), pos[..., :S].clone(), torch.zeros(b, h, S),
+                       torch.zeros(b, h, S, 3), torch.zeros(b, h, 9), None)
+    signals = {"pos": pos, "acc_attn": torch.zeros(b, h, S + n), "key_norm": torch.ones(b, h, S + n),
+               "value_norm": torch.ones(b, h, S + n), "wov_norm": torch.ones(b, h, S + n)}
     fn = torch.compile(evict, backend="aot_eager", fullgraph=True) if compiled else evict
-    fn(score, *signals, *slots, torch.randn(b, h, n, d), torch.randn(b, h, n, d), keep=S)
-    assert sorted(slots[2][0, 0].tolist()) == [3, 4, 5, 6] and sorted(slots[2][0, 1].tolist()) == [3, 4, 5, 6]
+    fn(score, signals, torch.zeros(b, h, 9), slots, NewTokens(torch.randn(b, h, n, d), torch.randn(b, h, n, d),
+                                                              pos[0, :1, S:]), keep=S)
+    assert sorted(slots.pos[0, 0].tolist()) == [3, 4, 5, 6] and sorted(slots.pos[0, 1].tolist()) == [3, 4, 5, 6]

@@ -68,7 +68,7 @@ def test_source_digest_sees_the_kernel_not_the_report(tmp_path):
     report = copy / "harness" / "report.py"
     report.write_text(report.read_text() + "\n# a report change\n")
     assert fc.source_digest(copy) == base  # the harness is not traced: its edits keep the entries
-    kernel = copy / "kernel.py"
+    kernel = copy / "kernel" / "measure.py"
     kernel.write_text(kernel.read_text() + "\n# a kernel change\n")
     changed = fc.source_digest(copy)
     assert changed != base
@@ -108,7 +108,7 @@ def test_a_changed_kernel_file_is_traced_again_with_a_new_value(tmp_path, cache_
     assert not cached
     site = tmp_path / "site"
     shutil.copytree(fc.PACKAGE, site / "fxbudget", ignore=shutil.ignore_patterns("__pycache__"))
-    kernel = site / "fxbudget" / "kernel.py"
+    kernel = site / "fxbudget" / "kernel" / "measure.py"
     assert "def measure(" in kernel.read_text()
     kernel.write_text(kernel.read_text() + _CHANGED_KERNEL)
     env = {**os.environ, "PYTHONPATH": str(site), "FXBUDGET_CACHE": str(cache_root), "OMP_NUM_THREADS": "1"}

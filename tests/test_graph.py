@@ -25,22 +25,22 @@ def test_fingerprint_equal_across_rules(monkeypatch):
     # The hash does see the kernel: a change to the shared measure phase changes it.
     from fxbudget.passes import sdpa
 
-    original = sdpa.measure
+    original = sdpa.measure_phase
 
     def measure_variant(*args, **kwargs):
         out, *rest = original(*args, **kwargs)
         return (out * 1.0, *rest)
 
-    monkeypatch.setattr(sdpa, "measure", measure_variant)
+    monkeypatch.setattr(sdpa, "measure_phase", measure_variant)
     assert fxbudget.kernel_fingerprint(model, ids, rule="knorm", budget=40) != prints["knorm"]
 
 
 # A kernel change that only moves an integer (the window's slice, the number kept, a reduction dim) must change the
 # fingerprint: two variants of the shared kernel, `p` being the only difference between them.
 _KERNEL_VARIANTS = {
-    "window": ("measure", (0, -1), lambda f, p: lambda *a, window, **k: f(*a, window=window + p, **k)),
-    "keep": ("evict", (0, -1), lambda f, p: lambda *a, keep, **k: f(*a, keep=keep + p, **k)),
-    "reduction_dim": ("measure", (1, 2),
+    "window": ("measure_phase", (0, -1), lambda f, p: lambda *a, window, **k: f(*a, window=window + p, **k)),
+    "keep": ("evict_phase", (0, -1), lambda f, p: lambda *a, keep, **k: f(*a, keep=keep + p, **k)),
+    "reduction_dim": ("measure_phase", (1, 2),
                       lambda f, p: lambda *a, **k: (lambda r: (r[0], r[1].cumsum(p), *r[2:]))(f(*a, **k))),
 }
 
@@ -433,15 +433,15 @@ def test_fingerprint_covers_the_query_block_loop(monkeypatch):
     ids = torch.randint(0, 96, (1, 9))
     base = fxbudget.kernel_fingerprint(model, ids, rule="h2o", budget=40)
     assert base == fxbudget.kernel_fingerprint(model, ids, rule="tova", budget=40)
-    from fxbudget import kernel
+    from fxbudget.kernel.attention import Block
 
-    original = kernel._Block.__call__
+    original = Block.__call__
 
     def variant(self, *args, **kwargs):  # kwargs: `win`, the window max's rows (then two more outputs)
         out, *rest = original(self, *args, **kwargs)
         return out * 1.0, *rest
 
-    monkeypatch.setattr(kernel._Block, "__call__", variant)
+    monkeypatch.setattr(Block, "__call__", variant)
     assert fxbudget.kernel_fingerprint(model, ids, rule="h2o", budget=40) != base
 
 

@@ -76,7 +76,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle():
     graph = import_graph()
-    assert len(graph) > 50 and "fxbudget.kernel" in graph["fxbudget.budget_attention"]
+    assert len(graph) > 50 and "fxbudget.kernel.measure" in graph["fxbudget.kernel.pipeline"]
     assert cycles(graph) == []
 
 
@@ -86,8 +86,8 @@ def test_a_planted_cycle_is_found():
 
 def test_the_kernel_imports_no_rule():
     graph = import_graph()
-    kernel = ["fxbudget.kernel", "fxbudget.selection", "fxbudget.pool", "fxbudget.budget_attention",
-              "fxbudget.kernel_signals", "fxbudget.block_scan", "fxbudget.passes.sdpa"]
-    for mod in kernel:
+    kernel = sorted(m for m in graph if m == "fxbudget.kernel" or m.startswith("fxbudget.kernel."))
+    assert len(kernel) >= 10 and "fxbudget.kernel.pipeline" in kernel
+    for mod in kernel + ["fxbudget.passes.sdpa"]:
         rules = {m for m in graph[mod] if m.startswith("fxbudget.rules")}
         assert rules <= {"fxbudget.rules", "fxbudget.rules.base"}, (mod, rules)

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxbudget import rules
-from fxbudget.budget_attention import budget_attention
+from fxbudget.kernel import budget_attention
 from fxbudget.kernel import TOTALED
 
 # `full` is left out: it never evicts (a call that would is refused before it runs).

@@ -10,7 +10,7 @@ import torch
 import fxbudget
 from conftest import fresh, tiny_model
 from fxbudget import kernel_fingerprint, rules
-from fxbudget.budget_attention import budget_attention
+from fxbudget.kernel import budget_attention
 from fxbudget.kvzip_protocol import REPEAT_PROMPT, compress, replay_ids, template_parts
 
 H, G, D = 2, 3, 8

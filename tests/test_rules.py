@@ -9,7 +9,7 @@ import torch
 
 import fxbudget
 from fxbudget import rules
-from fxbudget.budget_attention import budget_attention
+from fxbudget.kernel import budget_attention
 from fxbudget.kernel import TOTALED
 from conftest import fresh, tiny_model
 from fxbudget.cache_arg import output_cache

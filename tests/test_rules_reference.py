@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from fxbudget import rules
-from fxbudget.kernel import measure
-from fxbudget.kernel_signals import unknown_wo
+from fxbudget.kernel import LayerConstants, LayerSlots, NewTokens, measure
+from fxbudget.kernel.signals import unknown_wo
 from fxbudget.rules.base import Signals
 from fxbudget.rules.random import gaussian_sketch
 
@@ -46,10 +46,11 @@ def _signals(k, v, q, inv_freq, window, budget=8, slot_pos=None, slot_k=None, sl
         slot_k = slot_v = torch.zeros(1, H, EMPTY, D, dtype=DT)
     S = slot_pos.shape[-1]
     norms = torch.stack([slot_k.norm(dim=-1), slot_v.norm(dim=-1), torch.zeros_like(slot_k[..., 0])], dim=-1)
-    _, _, *sig = measure(q.unsqueeze(0), slot_k, slot_v, slot_pos, torch.zeros(1, H, S, dtype=DT), norms,
-                         k.unsqueeze(0), v.unsqueeze(0), torch.arange(start, start + L).unsqueeze(0), inv_freq,
-                         unknown_wo(H, G, D, "cpu"), window=window, sliding=0, scale=None)
-    return Signals(*sig, budget=budget, window=min(window, L)), S
+    slots = LayerSlots(slot_k, slot_v, slot_pos, torch.zeros(1, H, S, dtype=DT), norms, None, None)
+    new = NewTokens(k.unsqueeze(0), v.unsqueeze(0), torch.arange(start, start + L).unsqueeze(0))
+    _, _, sig = measure(q.unsqueeze(0), slots, new, LayerConstants(inv_freq, unknown_wo(H, G, D, "cpu")),
+                        window=window, sliding=0, scale=None)
+    return Signals(**sig, budget=budget, window=min(window, L)), S
 
 
 def _score(rule, L=70, window=32, budget=8, seed=0):

@@ -4,8 +4,7 @@ name is refused in one line with the nearest known one ("did you mean ...?", `di
 
 from __future__ import annotations
 
-import difflib
-
+from ..near import nearest
 from .errors import UsageError
 
 # Short names of the dtypes, as other tools spell them.
@@ -20,9 +19,8 @@ def plural(n: int, word: str, many: str | None = None) -> str:
 
 def did_you_mean(name: str, known) -> str:
     """`" (did you mean 'x'?)"` for the nearest known name (case-insensitive), or "" when none is near."""
-    folded = {k.casefold(): k for k in known}
-    near = difflib.get_close_matches(name.casefold(), list(folded), n=1, cutoff=0.6)
-    return f" (did you mean {folded[near[0]]!r}?)" if near else ""
+    near = nearest(name, known)
+    return f" (did you mean {near!r}?)" if near else ""
 
 
 def match(name: str, known, what: str, *, option: str, listing: str | None = None) -> str:

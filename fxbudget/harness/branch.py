@@ -17,18 +17,15 @@ from torch import Tensor, nn
 
 from ..api import compile as fx_compile
 from ..backend import kernel_window
-from ..cache import MARKER_TENSORS, BudgetCache
+from ..cache import BudgetCache
 from ..eager import recording
-from ..budget_attention import budget_attention
-from ..kernel import DEFAULT_BLOCK, DEFAULT_WINDOW, SIGNAL_NAMES, TOTALED, evict, rule_region, signal_totals
-from ..pool import evict_pooled, head_view
+from ..kernel import (DEFAULT_BLOCK, DEFAULT_WINDOW, SIGNAL_NAMES, TOTALED, LayerConstants, attend, from_marker,
+                      layout, select, signal_totals)
+from ..kernel.signals import TOKEN_SIGNALS
 from ..rules import Rule, get
 from ..rules.base import Signals
 
-_K, _V, _P = (MARKER_TENSORS.index(n) for n in ("k_new", "v_new", "new_pos"))
 _SLOT_TENSORS = ("k_slots", "v_slots")  # signals that are the cache's own tensors: the branched cache's, not recorded
-_PER_CANDIDATE = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "window_max_attn",
-                  "wov_norm")
 
 
 @dataclass
@@ -41,7 +38,7 @@ class _Recorder(Rule):
 
     def score(self, s: Signals) -> Tensor:
         S = s.k_slots.shape[2]
-        self.signals.append({n: getattr(s, n)[..., S:] if n in _PER_CANDIDATE else getattr(s, n)
+        self.signals.append({n: getattr(s, n)[..., S:] if n in TOTALED else getattr(s, n)
                              for n in SIGNAL_NAMES if n not in _SLOT_TENSORS})
         return s.pos.float()
 
@@ -106,57 +103,40 @@ def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str) -> None
     sliding_rule = get("window")
     with torch.no_grad():
         for query, call, scale in prefill.calls:
-            layer, t = cache.layers[call.layer], call.tensors
+            layer = cache.layers[call.layer]
+            _, new, _ = from_marker(call.tensors)
             layer.seen.add_(prefill.n)
             if window != prefill.window:  # the recorded signals are for another window: replay the kernel call
-                budget_attention(query, layer.keys, layer.values, layer.pos, layer.state, layer.norms,
-                                 layer.totals, t[_K], t[_V], t[_P], layer.inv_freq, layer.wo, layer.owner,
-                                 rule=sliding_rule if layer.sliding else rule, budget=layer.budget, keep=layer.keep,
-                                 sliding=layer.sliding, window=window, scale=scale, block=prefill.block,
-                                 pooled=layer.pooled)
+                attend(query, layer.kernel_slots(), new, LayerConstants(layer.inv_freq, layer.wo),
+                       rule=sliding_rule if layer.sliding else rule, budget=layer.budget, keep=layer.keep,
+                       pooled=layer.pooled, sliding=layer.sliding, window=window, scale=scale, block=prefill.block)
                 if not layer.sliding:
                     next(signals)
                 continue
             if layer.sliding:  # sliding layers run the `window` rule whatever the rule: the same state for all
                 layer.load(prefill.cache.layers[call.layer].snapshot())
                 continue
-            rec = next(signals)
-            _evict_from_signals(rec, layer, rule, window, t[_V])
+            _evict_from_signals(next(signals), layer, new, rule, window)
     cache.next_pos.copy_(prefill.cache.next_pos)
 
 
-def _evict_from_signals(rec: dict, layer, rule: Rule, window: int, v_new: Tensor) -> None:
-    """`rule_region` + `evict` of the kernel on the recorded signals, the empty slots' part filled in as `measure`
-    computes it for empty slots: zero attention and norms, the carried state (zero), position -1. A head-pooled
-    layer's slots are seen per head (`fxbudget.pool`), as `measure_pooled` hands them to the rule."""
-    pos, state, norms = layer.pos, layer.state, layer.norms
-    keys, values, slots = layer.keys, layer.values, layer.slots
-    if layer.pooled:
-        b, h, S, d = keys.shape
-        pos, state, norms = (head_view(x, layer.owner, e) for x, e in ((pos, -1), (state, 0.0), (norms, 0.0)))
-        keys = keys.view(b, 1, h * S, d).expand(b, h, h * S, d)
-        values = values.view(b, 1, h * S, values.shape[-1]).expand(b, h, h * S, values.shape[-1])
-        slots = h * S
-    slot_part = {"pos": pos, "acc_attn": state, "key_norm": norms[..., 0], "value_norm": norms[..., 1],
-                 "wov_norm": norms[..., 2]}
+def _evict_from_signals(rec: dict, layer, new, rule: Rule, window: int) -> None:
+    """The kernel's rule region and `evict` (`kernel.select`) on the recorded signals, the slots' part filled in as
+    `measure` computes it for empty slots: zero attention, the carried state and cached per-token signals (zeros),
+    position -1, each as the layer's layout hands its slots to `measure` (`Layout.view`)."""
+    lay = layout(layer.pooled)
+    slots = layer.kernel_slots()
+    view = lay.view(slots)
+    slot_part = {"pos": view.pos, "acc_attn": view.state, "k_slots": view.keys, "v_slots": view.values,
+                 **{name: view.norms[..., i] for i, name in enumerate(TOKEN_SIGNALS)}}
     sig = {}
     for name in SIGNAL_NAMES:
-        if name in _PER_CANDIDATE:
-            new = rec[name]
+        if name in TOTALED:
+            recorded = rec[name]
             part = slot_part.get(name)
-            part = torch.zeros_like(new[..., :1]).expand(*new.shape[:-1], slots) if part is None \
-                else part.to(new.dtype)
-            sig[name] = torch.cat([part, new], dim=-1)
+            part = torch.zeros_like(recorded[..., :1]).expand(*recorded.shape[:-1], view.pos.shape[-1]) \
+                if part is None else part.to(recorded.dtype)
+            sig[name] = torch.cat([part, recorded], dim=-1)
         else:
-            sig[name] = {"k_slots": keys, "v_slots": values}[name] if name in _SLOT_TENSORS else rec[name]
-    n = rec["k_new"].shape[2]
-    floor = {"floor": rule.head_floor(layer.budget)} if layer.pooled else {}
-    score = rule_region(rule, layer.budget, min(window, n), *sig.values(), **floor)
-    totals = signal_totals(tuple(sig[name] for name in TOTALED), sig["attn"].dtype)
-    args = (score, sig["pos"], sig["acc_attn"], sig["key_norm"], sig["value_norm"], sig["wov_norm"], totals,
-            layer.keys, layer.values, layer.pos, layer.state, layer.norms, layer.totals, rec["k_new"], v_new)
-    if layer.pooled:
-        evict_pooled(*args, layer.owner, keep=layer.keep)
-    else:
-        evict(*args, keep=layer.keep)
-
+            sig[name] = slot_part[name] if name in _SLOT_TENSORS else rec[name]
+    select(lay, rule, sig, signal_totals(sig), slots, new, budget=layer.budget, keep=layer.keep, window=window)

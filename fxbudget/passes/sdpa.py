@@ -2,8 +2,8 @@
 
 For each `scaled_dot_product_attention` node of a Dynamo graph, the key argument is walked back (through repeat_kv's
 views, slicing, dtype moves) to the `fxbudget::candidates` marker emitted by `BudgetCache.update`. The node is then
-replaced by the kernel's three phases (`measure`, `rule_region`, `evict`), each traced to core aten ops with `make_fx`
-and inlined; rule ops are tagged `node.meta["fxbudget_region"] = "rule"` (what `kernel_fingerprint` abstracts). The
+replaced by the kernel's three phases (`kernel.pipeline`: `measure_phase`, `rule_phase`, `evict_phase`, the functions
+the eager path runs), each traced to core aten ops with `make_fx` on the kernel's named state and inlined; rule ops are tagged `node.meta["fxbudget_region"] = "rule"` (what `kernel_fingerprint` abstracts). The
 marker and the repeat_kv chain then have no users and are removed; in-place state updates are kept.
 
 Each spliced kernel node also carries its integer arguments in `node.meta["fxbudget_ints"]`, those that grow with the
@@ -25,10 +25,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
-from ..cache import MARKER_TENSORS  # importing cache also registers the marker op
+from .. import cache  # noqa: F401  (importing cache registers the marker op)
+from ..kernel import DEFAULT_BLOCK, MARKER_TENSORS, evict_phase, from_marker, layout, measure_phase, rule_phase
 from ..marker import NoBudgetAttentionError
-from ..kernel import DEFAULT_BLOCK, SIGNAL_NAMES, evict, measure, rule_region
-from ..pool import evict_pooled, measure_pooled
 from ..rule_contract import RuleContractError, rule_name, storage_id, written_args
 from ..rules.base import Rule
 from ..sdpa_args import bind, check
@@ -158,17 +157,18 @@ def _splice(gm: fx.GraphModule, sub: fx.GraphModule, inputs: list[fx.Node], befo
     raise AssertionError("traced kernel has no output")
 
 
-def _trace(fn, fakes, mode: FakeTensorMode) -> fx.GraphModule:
+def _trace(fn, args: tuple, mode: FakeTensorMode) -> fx.GraphModule:
+    """`make_fx` of `fn(*args)`, `args` a pytree (the kernel's named state): the graph's placeholders are its
+    leaves in `pytree.tree_flatten` order, which `_splice` binds the same way."""
+    flat, spec = pytree.tree_flatten(args)
+
+    def flat_fn(*leaves):
+        return fn(*pytree.tree_unflatten(list(leaves), spec))
+
     # Outside Dynamo's tracing context: the kernel's own fake mode (and its shape environment) must be the one
     # make_fx finds, not the one of the graph being compiled.
     with torch._guards.tracing(None), mode:
-        return make_fx(fn, tracing_mode="real")(*fakes)
-
-
-_MEASURE_ARGS = ("q", "k_slots", "v_slots", "pos_slots", "state", "norms", "k_new", "v_new", "new_pos", "inv_freq",
-                 "wo")
-_EVICT_SIGNALS = ("pos", "acc_attn", "key_norm", "value_norm", "wov_norm")
-_EVICT_ARGS = ("k_slots", "v_slots", "pos_slots", "state", "norms", "totals", "k_new", "v_new")
+        return make_fx(flat_fn, tracing_mode="real")(*flat)
 
 
 @dataclass
@@ -243,32 +243,22 @@ def _check_pure(gm: fx.GraphModule, rule: Rule) -> None:
                                     f"({node.target}): a rule must be a pure function of the signals")
 
 
-def phase_args(pooled: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The kernel tensors `measure` and `evict` take (after the signals), in order: the pooled phases also take
-    the slots' owner."""
-    return (_MEASURE_ARGS + ("owner",), _EVICT_ARGS + ("owner",)) if pooled else (_MEASURE_ARGS, _EVICT_ARGS)
-
-
 def _trace_phases(fake: dict, rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
                   scale: float | None, block: int, mode: FakeTensorMode, pooled: bool = False) -> KernelTrace:
-    w = min(window, fake["k_new"].shape[2])
-    phase1 = functools.partial(measure_pooled if pooled else measure, window=window, sliding=sliding, scale=scale,
-                               block=block, traced=True)
+    lay = layout(pooled)
+    q, (slots, new, const) = fake["q"], from_marker([fake[a] for a in MARKER_TENSORS])
+    phase1 = functools.partial(measure_phase, lay, window=window, sliding=sliding, scale=scale, block=block,
+                               traced=True)
     # Pooled, the allocation step is part of the rule region (so uniform and adaptive runs share one fingerprint).
-    phase2 = functools.partial(rule_region, rule, budget, w, floor=rule.head_floor(budget)) if pooled \
-        else functools.partial(rule_region, rule, budget, w)
-    phase3 = functools.partial(evict_pooled if pooled else evict, keep=keep)
-    measure_args, evict_args = phase_args(pooled)
+    phase2 = functools.partial(rule_phase, lay, rule, budget, window)
+    phase3 = functools.partial(evict_phase, lay, keep=keep)
     # Each phase is traced once; the next phase is traced on the fake values of the previous one's outputs.
-    traced_measure = _trace(phase1, [fake[a] for a in measure_args], mode)
-    _, f_totals, *f_signals = _output_values(traced_measure)
-    traced_rule = _trace(phase2, f_signals, mode)
+    traced_measure = _trace(phase1, (q, slots, new, const), mode)
+    _, f_totals, f_signals = _output_values(traced_measure)
+    traced_rule = _trace(phase2, (f_signals,), mode)
     f_score = _output_values(traced_rule)
-    f_sig = dict(zip(SIGNAL_NAMES, f_signals))
-    return KernelTrace(
-        traced_measure, traced_rule,
-        _trace(phase3, [f_score, *[f_sig[a] for a in _EVICT_SIGNALS], f_totals, *[fake[a] for a in evict_args]],
-               mode))
+    return KernelTrace(traced_measure, traced_rule,
+                       _trace(phase3, (f_score, f_signals, f_totals, slots, new), mode))
 
 
 def _output_values(gm: fx.GraphModule):
@@ -277,7 +267,7 @@ def _output_values(gm: fx.GraphModule):
     return pytree.tree_map(lambda x: x.meta["val"] if isinstance(x, fx.Node) else x, out)
 
 
-_SLOT_TENSORS = ("k_slots", "v_slots", "pos_slots", "state", "norms", "owner")  # slot dim 2
+_SLOT_TENSORS = ("keys", "values", "pos", "state", "norms", "owner")  # slot dim 2
 
 
 def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
@@ -302,7 +292,7 @@ def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: 
         return kt
     big = _trace_phases(grown, rule, budget=budget + 1, keep=keep + 1, sliding=sliding, window=window, scale=scale,
                         block=block, mode=mode, pooled=pooled)
-    slots = ev["k_slots"].shape[2]
+    slots = ev["keys"].shape[2]
     _mark_budget_ints(kt.measure, big.measure, slots)
     _mark_budget_ints(kt.evict, big.evict, slots)
     return kt
@@ -335,13 +325,13 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule,
                                        budget_ints=budget_ints)
         kt = traces[key]
 
-        # Splice each phase before the SDPA node, feeding its outputs to the next phase.
-        measure_args, evict_args = phase_args(pooled)
-        out, totals, *signals = _splice(gm, kt.measure, [graph_in[a] for a in measure_args], node, "measure")
-        score = _splice(gm, kt.rule, signals, node, "rule")
-        sig = dict(zip(SIGNAL_NAMES, signals))
-        _splice(gm, kt.evict, [score, *[sig[a] for a in _EVICT_SIGNALS], totals, *[graph_in[a] for a in evict_args]],
-                node, "evict")
+        # Splice each phase before the SDPA node, feeding its outputs to the next phase (the same pytrees of graph
+        # nodes as the traces' fake tensors: `_trace` flattens both alike).
+        slots, new, const = from_marker([graph_in[a] for a in MARKER_TENSORS])
+        flat = lambda *tree: pytree.tree_flatten(tree)[0]  # noqa: E731
+        out, totals, signals = _splice(gm, kt.measure, flat(graph_in["q"], slots, new, const), node, "measure")
+        score = _splice(gm, kt.rule, flat(signals), node, "rule")
+        _splice(gm, kt.evict, flat(score, signals, totals, slots, new), node, "evict")
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
         report.rewritten.append(layer)

@@ -7,7 +7,7 @@ kernel: the kernel computes every signal for every candidate in every call, what
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -36,6 +36,11 @@ def unrotate(x: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
     `inv_freq` `[r/2]`: the first `r` dims rotated, the rest left as they are (partial rotary). In `x`'s dtype."""
     cos, sin = rope_cos_sin(pos.to(x.dtype).unsqueeze(-1) * inv_freq.to(x.dtype), x.shape[-1])
     return x * cos - rotate_half(x, 2 * inv_freq.shape[-1]) * sin
+
+
+# Field metadata of the `Signals` that hold one value per candidate, `[batch, kv_heads, C]`: the kernel totals them
+# per call (`fxbudget.kernel.state.TOTALED`), and a layout or a shared-prefill branch assembles them slots-then-new.
+PER_CANDIDATE = {"per_candidate": True}
 
 
 @dataclass
@@ -71,13 +76,13 @@ class Signals:
             to a shape bucket (compiled calls) changes nothing a rule computes; it broadcasts against `[b, h, C]`.
     """
 
-    attn: Tensor
-    window_attn: Tensor
-    last_attn: Tensor
-    acc_attn: Tensor
-    key_norm: Tensor
-    value_norm: Tensor
-    pos: Tensor
+    attn: Tensor = field(metadata=PER_CANDIDATE)
+    window_attn: Tensor = field(metadata=PER_CANDIDATE)
+    last_attn: Tensor = field(metadata=PER_CANDIDATE)
+    acc_attn: Tensor = field(metadata=PER_CANDIDATE)
+    key_norm: Tensor = field(metadata=PER_CANDIDATE)
+    value_norm: Tensor = field(metadata=PER_CANDIDATE)
+    pos: Tensor = field(metadata=PER_CANDIDATE)
     queries: Tensor
     k_slots: Tensor
     k_new: Tensor
@@ -85,8 +90,8 @@ class Signals:
     inv_freq: Tensor
     v_slots: Tensor
     v_new: Tensor
-    window_max_attn: Tensor
-    wov_norm: Tensor
+    window_max_attn: Tensor = field(metadata=PER_CANDIDATE)
+    wov_norm: Tensor = field(metadata=PER_CANDIDATE)
     budget: int
     window: Tensor
 

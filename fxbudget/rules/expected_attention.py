@@ -23,14 +23,7 @@ import torch
 from torch import Tensor
 
 from .registry import register
-from .base import Rule, Signals, rope_cos_sin, rotate_half
-
-
-def unrotate(q: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
-    """Undo RoPE on queries `[..., n, d]` rotated at positions `pos` (broadcastable to `[..., n]`) with frequencies
-    `inv_freq` `[r/2]`: the first `r` dims rotated, the rest left as they are (partial rotary)."""
-    cos, sin = rope_cos_sin(pos.float().unsqueeze(-1) * inv_freq.float(), q.shape[-1])
-    return q * cos - rotate_half(q, 2 * inv_freq.shape[-1]) * sin
+from .base import Rule, Signals, rope_cos_sin, rotate_half, unrotate
 
 
 @register("expected_attention")

@@ -7,7 +7,6 @@ has no import cycle. A wrapper registers its prefix here (`register_wrapper`), s
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
 import itertools
 import os
@@ -15,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..near import nearest
 from .base import Rule
 
 _REGISTRY: dict[str, type[Rule]] = {}
@@ -78,8 +78,8 @@ def _split(name: str) -> tuple[WrapperForm | None, str]:
 def unknown_rule_message(name: str) -> str:
     """One line for a name that is no rule: the close matches (case-insensitive), the known rules and wrappers."""
     names = available() + [p + "<rule>" for p in wrapper_prefixes()]
-    close = difflib.get_close_matches(str(name).lower(), [n.lower() for n in available()], n=1, cutoff=0.6)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    close = nearest(name, available())
+    hint = f" (did you mean {close!r}?)" if close else ""
     return f"unknown rule {name!r}{hint}; known rules: {', '.join(names)}"
 
 

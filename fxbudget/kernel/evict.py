@@ -1,10 +1,17 @@
-"""The kernel's selection: the one total order of candidates (`_order_key`) and `evict`, its third phase (see
-`fxbudget.kernel`: the fairness contract). Its own module so the kernel module stays readable."""
+"""`evict`, the kernel's third phase: the one total order of candidates (`_order_key`), the top `keep` kept, the
+surviving new tokens written into freed slots (a decode step writes one row per head, not the cache), the slots'
+positions, carried state and per-token signals refilled."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from .signals import TOKEN_SIGNALS
+from .state import LayerSlots, NewTokens
+
+# The signals `evict` reads (besides the score): positions, the carried state, the per-token signals it caches.
+EVICT_READS = ("pos", "acc_attn", *TOKEN_SIGNALS)
 
 
 def _top_indices(x: Tensor, k: int, *, largest: bool) -> Tensor:
@@ -17,15 +24,16 @@ def _top_indices(x: Tensor, k: int, *, largest: bool) -> Tensor:
 
 
 def evict(
-    score: Tensor, pos: Tensor, acc_attn: Tensor, key_norm: Tensor, value_norm: Tensor, wov_norm: Tensor,
-    totals: Tensor, k_slots: Tensor, v_slots: Tensor, pos_slots: Tensor, state: Tensor, norms: Tensor,
-    totals_buf: Tensor, k_new: Tensor, v_new: Tensor, *, keep: int, owner: Tensor | None = None,
-    cand_owner: Tensor | None = None, tie_pos: Tensor | None = None,
+    score: Tensor, signals: dict[str, Tensor], totals: Tensor, slots: LayerSlots, new: NewTokens, *, keep: int,
+    owner: bool = False, cand_owner: Tensor | None = None, tie_pos: Tensor | None = None,
 ) -> None:
-    """Keep the best `keep` candidates and write the surviving new tokens into freed slots, in place.
+    """Keep the best `keep` candidates and write the surviving new tokens into freed `slots`, in place.
 
-    The head-pooled layout (`fxbudget.pool.evict_pooled`) also passes the slots' `owner` (refilled like the
-    positions, from `cand_owner`) and `tie_pos`, the candidates' tie-breaking order in place of their positions."""
+    `signals` are `measure`'s (per candidate: `pos`, `acc_attn` and the `TOKEN_SIGNALS` are read), `totals` its
+    totals. The head-pooled layout (`layouts.HeadPool`) also refills the slots' `owner` (from `cand_owner`, with
+    `owner=True`) and passes `tie_pos`, the candidates' tie-breaking order in place of their positions."""
+    pos = signals["pos"]
+    k_slots, v_slots, k_new, v_new = slots.keys, slots.values, new.keys, new.values
     b, h, S, _ = k_slots.shape
     n = k_new.shape[2]
     C = S + n
@@ -50,9 +58,9 @@ def evict(
     bi = torch.arange(b, device=dev).view(b, 1, 1)
     hi = torch.arange(h, device=dev).view(1, h, 1)
 
-    def put(slots: Tensor, new: Tensor) -> None:
-        rows = torch.where(write.unsqueeze(-1), new[bi, hi, src], slots[bi, hi, dst])
-        slots.index_put_((bi, hi, dst), rows)
+    def put(cached: Tensor, cand: Tensor) -> None:
+        rows = torch.where(write.unsqueeze(-1), cand[bi, hi, src], cached[bi, hi, dst])
+        cached.index_put_((bi, hi, dst), rows)
 
     put(k_slots, k_new)
     put(v_slots, v_new)
@@ -61,12 +69,13 @@ def evict(
         kept = old.masked_fill(free, empty)
         return kept.scatter(-1, dst, torch.where(write, cand[..., S:].gather(-1, src), kept.gather(-1, dst)))
 
-    pos_slots.copy_(refill(pos_slots, pos, -1))
-    if owner is not None:
-        owner.copy_(refill(owner, cand_owner, -1))
-    state.copy_(refill(acc_attn[..., :S], acc_attn, 0.0))
-    norms.copy_(torch.stack([refill(x[..., :S], x, 0.0) for x in (key_norm, value_norm, wov_norm)], dim=-1))
-    totals_buf.copy_(totals)
+    slots.pos.copy_(refill(slots.pos, pos, -1))
+    if owner:
+        slots.owner.copy_(refill(slots.owner, cand_owner, -1))
+    slots.state.copy_(refill(signals["acc_attn"][..., :S], signals["acc_attn"], 0.0))
+    slots.norms.copy_(torch.stack([refill(signals[name][..., :S], signals[name], 0.0) for name in TOKEN_SIGNALS],
+                                  dim=-1))
+    slots.totals.copy_(totals)
 
 
 def _order_key(score: Tensor, pos: Tensor, C: int, tie_pos: Tensor | None = None) -> tuple[Tensor, Tensor]:

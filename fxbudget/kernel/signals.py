@@ -1,8 +1,8 @@
-"""Two signals of the shared kernel, measured for every rule (issue 23):
+"""The per-token signals (`TOKEN_SIGNALS`) and two signals of the shared kernel, measured for every rule (issue 23):
 
 - `window_max_attn`: per candidate, the largest attention probability it gets from one query of the observation
   window and one query head of its KV group (DefensiveKV's max, where `window_attn` is the sum). It is read off the
-  attention blocks' own softmax (`kernel._Block.window_max`): the window's queries are the call's last `w` (pads
+  attention blocks' own softmax (`attention.Block.window_max`): the window's queries are the call's last `w` (pads
   come first, `check_left_padded`), so only the rows of the block(s) holding them are read once more. A traced call
   of several query blocks (a `scan`, whose body is the same for every block) attends its last `w` queries once more
   instead (`window_max`): O(w x candidates), against the call's O(n x candidates).
@@ -21,6 +21,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
+
+def _key_norm(new, const, acc: torch.dtype) -> Tensor:
+    return torch.linalg.vector_norm(new.keys, dim=-1, dtype=acc)
+
+
+def _value_norm(new, const, acc: torch.dtype) -> Tensor:
+    return torch.linalg.vector_norm(new.values, dim=-1, dtype=acc)
+
+
+def _wov_norm(new, const, acc: torch.dtype) -> Tensor:
+    return value_out_norms(new.values, const.wo, acc)
+
+
+# The signals of a token alone (not of the attention it gets), `[b, h, n]` in `acc` from the call's `NewTokens` and
+# `LayerConstants`: measured once when a token arrives and cached with its entry (`LayerSlots.norms`, one column
+# each, in this order), so no call reads the whole K/V cache again. Adding one is a `Signals` field and an entry here.
+TOKEN_SIGNALS = {"key_norm": _key_norm, "value_norm": _value_norm, "wov_norm": _wov_norm}
 
 # R factors of attached output projections, per weight tensor (a model's caches share them): (version, shape) -> R.
 _FACTORS = WeakIdKeyDictionary()
@@ -91,7 +108,7 @@ def check_left_padded(new_pos: Tensor) -> None:
 
 def window_max(blk, queries: Tensor, qpos: Tensor, weights: Tensor, w: int) -> Tensor:
     """`window_max_attn` of a traced call of several query blocks: the call's last `w` queries (the window, pads
-    first) attended once more as one block (`kernel._Block`, the same softmax), `[b, h, S + n]`. A sliding
+    first) attended once more as one block (`attention.Block`, the same softmax), `[b, h, S + n]`. A sliding
     layer's window sees only the new tokens from `w + sliding - 1` before the call's end."""
     b, h, gn, d = queries.shape
     n = qpos.shape[1]

@@ -1,0 +1,100 @@
+"""`measure`, the kernel's first phase: exact attention of the call's queries over the visible candidates, and every
+signal of every candidate, whatever the rule (`Signals`; DESIGN §4).
+
+Candidates are a layer's slots (as the layout hands them: `Layout.view`) followed by the call's new tokens; visible
+are valid slots and new tokens at positions <= the query's (within `sliding` for sliding-window layers). Query heads
+are grouped per KV head; K/V are never copied per query head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .attention import Block, loop_blocks
+from .block_scan import scan_blocks
+from .settings import DEFAULT_BLOCK, auto_block
+from .signals import TOKEN_SIGNALS, check_left_padded, window_max
+from .state import SIGNAL_NAMES, TOTALED, LayerConstants, LayerSlots, NewTokens
+
+
+def measure(
+    q: Tensor, slots: LayerSlots, new: NewTokens, const: LayerConstants, *, window: int, sliding: int,
+    scale: float | None, block: int | None = DEFAULT_BLOCK, traced: bool = False,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """The attention output `[batch, q_heads, n, head_dim]`, the `TOTALED` signals' totals `[batch, kv_heads, 9]`,
+    and every signal (`state.SIGNAL_NAMES`, a dict in that order).
+
+    `slots` is read only (its `keys`/`values` may have one head: the head pool, where every head sees the whole
+    pool; `pos`, `state` and `norms` are then as each head sees them). The call's queries are processed in blocks
+    of `block` positions, so temporaries are O(block x candidates), never O(n x candidates). Eagerly (a Python
+    loop over blocks) a block skips the new tokens it cannot see (causally later ones, and on sliding layers those
+    before its window). `traced=True` (the graph pass) loops with `scan` higher-order ops of static shapes, so the
+    compiled graph does not grow with `n` and holds no host sync (`block_scan.scan_blocks`).
+    """
+    k_slots, v_slots, pos_slots = slots.keys, slots.values, slots.pos
+    k_new, v_new, new_pos = new.keys, new.values, new.pos
+    b, h, S = pos_slots.shape
+    d = k_slots.shape[-1]
+    n = k_new.shape[2]
+    g = q.shape[1] // h
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    acc = torch.promote_types(k_slots.dtype, torch.float32)  # softmax and signals in fp32 (fp64 for fp64 inputs)
+
+    pos = torch.cat([pos_slots, new_pos.unsqueeze(1).expand(b, h, n)], dim=2)
+    # Query head j*h_group.. of KV head i: rows (group member, query) of one matrix per KV head.
+    queries = q.reshape(b, h, g * n, q.shape[-1])
+    # Visibility is compared in int32 (positions stay far below 2^31): int32 vectorizes twice as wide as int64.
+    qpos = new_pos.to(torch.int32)
+    # Which queries each attention signal sums over: every valid query, the observation window (the last `w`
+    # positions of the row), the last position. Pads (position -1) count nowhere.
+    w = min(window, n)
+    last = qpos.amax(dim=-1, keepdim=True)
+    valid = qpos >= 0
+    weights = torch.stack([valid, valid & (qpos > last - w), valid & (qpos == last)], dim=1).to(acc)  # [b, 3, n]
+    slot_pos = pos_slots.to(torch.int32)
+    live = S
+    if not traced and n > 1:
+        check_left_padded(new_pos)  # the window is the call's last `w` queries (one token: nothing to check)
+    if not traced and not bool((slot_pos >= 0).any()):
+        # Eagerly, a call on an empty cache (a prefill) skips its empty slots: they would add exact zeros. The
+        # compiled graph cannot branch on data and computes them.
+        live = 0
+    # bf16/fp16: the blocks compute in fp32 throughout, as flash attention accumulates (logits rounded to the input
+    # dtype first double the error against float64). The cost: an fp32 copy of the call's K/V (slots included).
+    kv = [x.to(acc) for x in (k_slots[:, :, :live], v_slots[:, :, :live], k_new, v_new)]
+    blk = Block(kv[0], kv[1], slot_pos[..., :live], kv[2], kv[3], qpos.unsqueeze(1), scale, sliding, acc)
+    queries_acc = queries.to(acc)
+    R = min(block or auto_block(b * q.shape[1], n, q.device), n)
+    if n <= R:  # one block (a decode step, a prefill chunk): the window max from its softmax
+        out, sig_s, sig_n, max_s, max_n = blk(queries_acc, qpos, weights, 0, n, win=(n - w, n))
+        win_max = torch.cat([max_s, max_n], dim=-1)
+    elif traced:
+        out, sig_s, sig_n = scan_blocks(blk, queries_acc, qpos, weights, R)
+        win_max = window_max(blk, queries_acc, qpos, weights, w)  # the last w queries once more
+    else:
+        out, sig_s, sig_n, win_max = loop_blocks(blk, queries_acc, qpos, weights, R, w)
+    out = out.reshape(b, q.shape[1], n, -1).to(v_new.dtype)
+    if live < S:
+        sig_s = weights.new_zeros(b, h, 3, S)
+        win_max = torch.cat([win_max.new_zeros(b, h, S - live), win_max], dim=-1)
+
+    attn, window_attn, last_attn = (torch.cat([sig_s[:, :, i], sig_n[:, :, i]], dim=-1) for i in range(3))
+    acc_attn = torch.cat([slots.state, slots.state.new_zeros(b, h, n)], dim=2).to(acc) + attn
+    # Cached entries' per-token signals were stored when they were written: no second pass over the K/V cache.
+    token = {name: torch.cat([slots.norms[..., i].to(acc), fn(new, const, acc)], dim=-1)
+             for i, (name, fn) in enumerate(TOKEN_SIGNALS.items())}
+    found = dict(attn=attn, window_attn=window_attn, last_attn=last_attn, acc_attn=acc_attn, pos=pos,
+                 queries=queries, k_slots=k_slots, k_new=k_new, new_pos=new_pos, inv_freq=const.inv_freq,
+                 v_slots=v_slots, v_new=v_new, window_max_attn=win_max, **token)
+    signals = {name: found[name] for name in SIGNAL_NAMES}  # a `Signals` field measured nowhere fails here
+    return out, signal_totals(signals), signals
+
+
+def signal_totals(signals: dict[str, Tensor]) -> Tensor:
+    """Per-call totals of the `TOTALED` signals (in that order), `[batch, kv_heads, len(TOTALED)]`, in the
+    attention's dtype (fp32; fp64 for fp64 inputs)."""
+    acc = signals["attn"].dtype
+    return torch.stack([signals[name].to(acc).sum(dim=-1) for name in TOTALED], dim=-1)
