@@ -53,7 +53,7 @@ def cmd_compare(args) -> int:
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
     preflight.rule_probes(grid)
-    place = preflight.placement(args, ray=args.ray is not None)
+    place = preflight.placement(args, ray=args.ray is not None, names_only=args.dry_run)
     source = preflight.model_source(args)
     if args.ray is not None:
         runner = _ray_runner(args, grid, source, place)
@@ -98,6 +98,11 @@ def cmd_compare(args) -> int:
     note = run_note(grid.rules, grid.protocols, grid.rule_params)
     if note:
         print(f"[fxbudget] {note}", file=sys.stderr)
+    if args.dry_run:
+        print(f"[fxbudget] --dry-run: {names.plural(todo, 'row')} on {names.plural(len(plan), 'sample')} planned "
+              f"({place.dtype} on {place.device}, the device checked by name only); no model loaded, nothing "
+              f"written in {args.out}; drop --dry-run to run", file=sys.stderr)
+        return 0
     stages.mark("tokenizer and samples")
     try:
         return _run(args, grid, source, place, samples, runner, plan, stages, total)

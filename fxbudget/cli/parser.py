@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     _rule_file_option(c)
     c.add_argument("--shard", type=_shard, default="0/1", help="run only part i/n of the samples")
     c.add_argument("--out", default="runs/compare", help="results folder (rerunning resumes)")
+    c.add_argument("--dry-run", action="store_true", help="check every option, build the samples and print the "
+                   "plan (rows, tokens, the estimate line), then stop: no model weights loaded, nothing written; "
+                   "--device is checked by name only, so a GPU command can be checked on a CPU machine")
     c.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                    help="run the samples on Ray workers (needs the [ray] extra): 'auto' (the default ADDRESS) = the "
                    "running cluster (`ray start --head`), 'local' = a new Ray on this machine only, or an address "

@@ -103,9 +103,10 @@ def rule_probes(grid) -> None:
             raise UsageError(f"--rules {name}: {e}") from None
 
 
-def placement(args, *, ray: bool = False):
+def placement(args, *, ray: bool = False, names_only: bool = False):
     """The resolved `--device` and `--dtype` (`fxbudget.devices.Placement`); with `ray`, only the names are checked
-    (the workers' devices are not this machine's) and the device follows `--gpus-per-worker`.
+    (the workers' devices are not this machine's) and the device follows `--gpus-per-worker`; with `names_only`
+    (`--dry-run`), only the names too: the device as given (default cpu), the dtype its default on that device.
 
     Raises:
         UsageError: an unknown name, a GPU that is not here, a device that contradicts `--gpus-per-worker`.
@@ -115,6 +116,10 @@ def placement(args, *, ray: bool = False):
 
     args.dtype = dtype_name(args.dtype)  # bf16 -> bfloat16, ...; an unknown name refused with the nearest one
     try:
+        if names_only and not ray:
+            devices.check_names(args.device, args.dtype)
+            device = args.device or "cpu"
+            return devices.Placement(device, args.dtype or ("float32" if device == "cpu" else "bfloat16"))
         if not ray:
             return devices.resolve(args.device, args.dtype)
         devices.check_names(args.device, args.dtype)

@@ -26,7 +26,8 @@ def score(sample: Sample, prediction: str) -> float:
 def chat_ids(tokenizer, sample: Sample):
     """`(context_ids [1, n], question_ids [1, m])`: the prompt split where the question starts.
 
-    The prompt is the chat template's user turn ``context + separator + question`` with the generation prompt, then
+    The prompt is the chat template's user turn ``context + separator + question`` with the generation prompt
+    (``enable_thinking=False``, as kvpress passes it: Qwen3's template then adds an empty thinking block), then
     ``sample.answer_prefix``; without a chat template it is ``context + separator + question + plain_suffix +
     answer_prefix`` (by default ``f"{context}\\n\\n{question}\\nAnswer: {prefix}"``; trailing spaces dropped: a lone
     space token is a poor place to start generating). The template is applied to the context followed by a marker and
@@ -34,8 +35,11 @@ def chat_ids(tokenizer, sample: Sample):
     """
     if getattr(tokenizer, "chat_template", None):
         mark = "#" * (len(sample.context) + 10)  # kvpress's marker: longer than any run of '#' in the context
+        # enable_thinking=False as kvpress's pipeline passes it: a template that reads it (Qwen3) then opens the
+        # answer with an empty thinking block instead of letting the model think inside the task's few tokens.
         head, tail = tokenizer.apply_chat_template([{"role": "user", "content": sample.context + mark}],
-                                                   tokenize=False, add_generation_prompt=True).split(mark)
+                                                   tokenize=False, add_generation_prompt=True,
+                                                   enable_thinking=False).split(mark)
         ctx_text, question_text = head, sample.separator + sample.question + tail + sample.answer_prefix
     else:
         text = (sample.context + sample.separator + sample.question + sample.plain_suffix
