@@ -198,14 +198,14 @@ def _load(args, grid, source, place, samples):
 def _tables(args, grid) -> None:
     """Print the accuracy and likelihood tables of the rows in `--out` (of this grid's protocols)."""
     from ..harness.report import accuracy_table, likelihood_table, load_rows
+    from ..harness.tables import likelihood_heading
 
     rows = [r for r in load_rows([args.out]) if r["protocol"] in grid.protocols]
     print(f"\naccuracy, protocols side by side (mean [95% interval] (samples); rules by {args.sort}):\n")
     print(accuracy_table(rows, args.sort, by_setting=True))
     likelihood = likelihood_table(rows, args.sort, by_setting=True)
     if likelihood:
-        print("\nanswer log-likelihood per token, rule minus the unmodified model on the same sample (nats; "
-              "mean [95% interval] (samples)):\n")
+        print(f"\n{likelihood_heading(rows)}:\n")
         print(likelihood)
 
 
