@@ -100,15 +100,15 @@ def cmd_compare(args) -> int:
         print(f"[fxbudget] {note}", file=sys.stderr)
     stages.mark("tokenizer and samples")
     try:
-        return _run(args, grid, source, place, samples, runner, plan, stages, total)
+        return _run(args, grid, source, place, samples, runner, plan, stages, total, tok)
     except KeyboardInterrupt:
         return _interrupted(args, runner, total)
 
 
-def _run(args, grid, source, place, samples, runner, plan, stages, total) -> int:
+def _run(args, grid, source, place, samples, runner, plan, stages, total, tok) -> int:
     """Load the model (unless on Ray), run the rows, report."""
     if args.ray is None:
-        runner = _load(args, grid, source, place, samples)
+        runner = _load(args, grid, source, place, samples, tok)
         stages.mark("model load")
     todo = sum(len(t) for _, t in plan)
     print(f"[fxbudget] {source.name}: {names.plural(todo, 'row')} to run on {names.plural(len(plan), 'sample')} "
@@ -182,16 +182,17 @@ def _interrupted(args, runner, total: int) -> int:
     return INTERRUPTED
 
 
-def _load(args, grid, source, place, samples):
-    """Load the model (the samples are already built) and return its `Runner`."""
+def _load(args, grid, source, place, samples, tok):
+    """Load the model (the samples are already built with `tok`, its tokenizer, which is not loaded again) and
+    return its `Runner`."""
     from ..harness.malloc import tune_malloc
     from ..harness.runner import Runner
     from ..models import load_model
 
     if not args.default_malloc:
         tune_malloc()
-    model, tokenizer, name = load_model(source, device=place.device, dtype=place.dtype)
-    return Runner(model, tokenizer, name, grid, args.out, shard=args.shard, progress=not args.quiet,
+    model, _, name = load_model(source, device=place.device, dtype=place.dtype, with_tokenizer=False)
+    return Runner(model, tok, name, grid, args.out, shard=args.shard, progress=not args.quiet,
                   max_new_tokens=args.max_new_tokens, samples=samples)
 
 
