@@ -64,7 +64,9 @@ test-newest: $(NEWEST_VENV)/.installed
 	$(NEWEST_BIN)/python -m pip install -q --upgrade transformers
 	$(NEWEST_BIN)/python -c "import torch, transformers; print('test-newest: transformers', \
 		transformers.__version__, 'torch', torch.__version__)"
-	$(NEWEST_BIN)/python $(NEWEST_PYTEST) -m newest
+	@# Tests one by one (--dist load), as test-newest-torch: the architecture matrix (most of this subset) is one file,
+	@# which file-by-file scheduling leaves to one worker.
+	$(NEWEST_BIN)/python $(NEWEST_PYTEST) --dist load -m newest
 
 # The documentation site into build/site/, in the test venv: `mkdocs build --strict` fails on a broken link or page.
 docs: $(VENV)/.installed
