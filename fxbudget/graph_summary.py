@@ -58,7 +58,7 @@ def region_code(gm: fx.GraphModule, nodes: list[fx.Node]) -> str:
 
 
 def summary(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "snapkv", budget: int = 64,
-            layer: int | None = None, full: bool = False, **rule_params) -> str:
+            layer: int | None = None, full: bool = False, cached: bool = False, **rule_params) -> str:
     """The inspect report for one forward of `model` (left unmodified) on `input_ids`.
 
     Args:
@@ -66,6 +66,8 @@ def summary(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
         rule, budget, **rule_params: as for `fxbudget.compile`.
         layer: whose kernel region to print (default: the first full-attention layer).
         full: print the whole rewritten graph instead of one layer's region.
+        cached: read the fingerprint from the on-disk cache (`fingerprint_cache`, as `compare` rows do) and say
+            whether it was; default: traced here (a kernel changed only in memory is seen).
     Returns:
         Text: a table of layers, the totals, the fingerprint, then code.
     """
@@ -87,7 +89,14 @@ def summary(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
     lines.append(f"# SDPA calls found: {len(rewritten) + len(untouched)}, rewritten: {len(rewritten)}, left unchanged "
                  f"(not fed by a BudgetCache): {len(untouched)}{names}")
     # The one definition of the fingerprint, the value `compare` records (its own trace, whatever was inspected).
-    lines.append(f"# kernel fingerprint (rule ops masked): {kernel_fingerprint(model, rule=rule, budget=budget)}")
+    if cached:
+        from .fingerprint_cache import cache_dir, cached_kernel_fingerprint
+
+        value, hit = cached_kernel_fingerprint(model, rule, budget=budget, compute=kernel_fingerprint)
+        note = f" (read from the cache in {cache_dir()})" if hit else " (traced)"
+    else:
+        value, note = kernel_fingerprint(model, rule=rule, budget=budget), ""
+    lines.append(f"# kernel fingerprint (rule ops masked): {value}{note}")
     lines.append(f"#   (what every compare row records as kernel_fingerprint: {FINGERPRINT_COVERS})")
     if full:
         lines.append("# the whole rewritten graph:")

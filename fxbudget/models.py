@@ -183,7 +183,7 @@ def _convert(target: Path, progress: bool) -> None:
 
 
 def load_default(*, cache_dir: str | os.PathLike | None = None, progress: bool = True, device_map=None,
-                 dtype=None):
+                 dtype=None, with_tokenizer: bool = True):
     """Load Qwen2.5-Coder-0.5B-Instruct with SDPA attention, in eval mode.
 
     Args:
@@ -192,9 +192,10 @@ def load_default(*, cache_dir: str | os.PathLike | None = None, progress: bool =
         progress: print short progress messages to stderr.
         device_map: passed to ``from_pretrained`` (None: CPU; e.g. ``"auto"`` spreads the layers over the GPUs).
         dtype: a ``torch.dtype`` (None: float32, the dtype of the converted checkpoint).
+        with_tokenizer: False skips loading the tokenizer (a caller that holds it already: `load_tokenizer`'s).
 
     Returns:
-        ``(model, tokenizer)``: a ``Qwen2ForCausalLM`` and its tokenizer.
+        ``(model, tokenizer)``: a ``Qwen2ForCausalLM`` and its tokenizer (None without `with_tokenizer`).
 
     Raises:
         RuntimeError: if the model is not cached and the part packages are
@@ -210,7 +211,7 @@ def load_default(*, cache_dir: str | os.PathLike | None = None, progress: bool =
     # Always load from the cache, even right after converting, so the first and
     # every later call return exactly the same kind of model and tokenizer.
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, **_ATTN, device_map=device_map)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path) if with_tokenizer else None
     model.eval()
     _log(progress, f"loaded {DEFAULT_MODEL_NAME} in {time.perf_counter() - start:.1f} s")
     return model, tokenizer
@@ -239,7 +240,8 @@ def load_tokenizer(source: ModelSource):
 
 def load_model(spec: str | os.PathLike | ModelSource | None = None, *, progress: bool = True, device_map=None,
                device: str | None = None, dtype: str | None = None, revision: str | None = None,
-               trust_remote_code: bool = False, tokenizer: str | None = None, use_fast_tokenizer: bool = True):
+               trust_remote_code: bool = False, tokenizer: str | None = None, use_fast_tokenizer: bool = True,
+               with_tokenizer: bool = True):
     """Load a causal LM for fxbudget (SDPA attention, eval mode): the default model, a local Hugging Face model
     directory, a local GGUF file (dequantized by transformers' GGUF support) or a hub id (through the HF cache;
     `HF_HUB_OFFLINE=1` uses the cache only).
@@ -257,6 +259,8 @@ def load_model(spec: str | os.PathLike | ModelSource | None = None, *, progress:
         trust_remote_code: run the model's own code, if it ships some (never without this flag).
         tokenizer: another tokenizer to load instead of the model's (a directory or a hub id).
         use_fast_tokenizer: False loads the slow (Python) tokenizer.
+        with_tokenizer: False loads no tokenizer (None is returned in its place): for a caller that already holds
+            `load_tokenizer(source)`'s, the same one (it parses the tokenizer files, seconds for a 150K vocabulary).
 
     Returns:
         ``(model, tokenizer, name)``; ``name`` is what result rows record (`model_name(spec)`).
@@ -279,14 +283,16 @@ def load_model(spec: str | os.PathLike | ModelSource | None = None, *, progress:
 
     fast = {} if use_fast_tokenizer else {"use_fast": False}
     if source.kind == "default":
-        model, tok = load_default(progress=progress, device_map=placement, dtype=place.torch_dtype())
+        model, tok = load_default(progress=progress, device_map=placement, dtype=place.torch_dtype(),
+                                  with_tokenizer=with_tokenizer and not tokenizer)
     else:
         kwargs = source.pretrained_kwargs()
         model = AutoModelForCausalLM.from_pretrained(source.location, dtype="auto" if auto else place.torch_dtype(),
                                                      **_ATTN, **kwargs, device_map=placement).eval()
-        tok = None if tokenizer else AutoTokenizer.from_pretrained(source.location, **kwargs, **fast)
+        tok = None if tokenizer or not with_tokenizer else AutoTokenizer.from_pretrained(source.location, **kwargs,
+                                                                                          **fast)
         _log(progress, f"loaded {source.name} ({str(model.dtype).removeprefix('torch.')}, {placement or 'cpu'}) in "
                        f"{time.perf_counter() - start:.1f} s")
-    if tokenizer:
+    if tokenizer and with_tokenizer:
         tok = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code, **fast)
     return model, tok, source.name

@@ -136,10 +136,10 @@ def shared_fingerprints():
         yield
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A 2-layer random Qwen2 with the embedded model's tokenizer, saved as a local model directory (prompts are
-    tokenized as on the real model)."""
+    tokenized as on the real model); built once per process (tests only read it)."""
     from transformers import AutoTokenizer
 
     from fxbudget.models import default_cache_dir, load_default
@@ -182,9 +182,9 @@ def fails_in_one_line(capsys, argv, match):
     return err
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tok():
-    """The embedded model's tokenizer (installed on first use)."""
+    """The embedded model's tokenizer (installed on first use), loaded once per process (tests only read it)."""
     from transformers import AutoTokenizer
 
     from fxbudget.models import default_cache_dir, default_model_available, load_default

@@ -409,3 +409,19 @@ def test_demo_grid_parses_and_validates():
                        samples=args.samples, protocols=args.protocol)
     grid.validate()
     assert len(runner.units(grid)) * len(runner.configs(grid)) == 8 * 2 * (1 + 5 * 2)
+
+
+def test_the_tokenizer_is_loaded_once(tiny_dir, tmp_path, monkeypatch):
+    """The checks load the tokenizer to build the samples; the model load reuses it (parsing a 150K vocabulary
+    again costs seconds), and the rows are tokenized as the samples were."""
+    loads = []
+    real = AutoTokenizer.from_pretrained.__func__
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: loads.append(a[0]) or real(cls, *a, **k)))
+    assert main(["compare", "--model", tiny_dir, "--tasks", "passkey", "--lengths", "300", "--rules", "full",
+                 "--samples", "1", "--max-new-tokens", "2", "--quiet", "--out", str(tmp_path)]) == 0
+    assert loads == [tiny_dir]
+    [row] = load_rows([tmp_path])
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    [sample] = make_samples("passkey", tok, 300, 1, seed=0)
+    assert row["prompt_tokens"] == sum(x.shape[1] for x in chat_ids(tok, sample))

@@ -260,6 +260,31 @@ def test_compare_rows_say_whether_the_fingerprint_was_cached(tiny_dir, tmp_path,
     assert runs[0]["full"]["fingerprint_cached"] is None and runs[1]["full"]["fingerprint_cached"] is None
 
 
+def test_inspect_reads_the_fingerprint_compare_cached(tiny_dir, tmp_path, monkeypatch, capsys):
+    from fxbudget import graph_summary
+
+    calls = []
+    real = graph_summary.kernel_fingerprint
+    monkeypatch.setattr(graph_summary, "kernel_fingerprint", lambda *a, **k: calls.append(k) or real(*a, **k))
+    argv = ["inspect", "--model", tiny_dir, "--rule", "snapkv", "--budget", "16", "--tokens", "8"]
+    printed = []
+    for _ in range(2):
+        assert main(argv) == 0
+        [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("# kernel fingerprint")]
+        printed.append(line)
+    assert len(calls) == 1  # traced by the first run only
+    value = printed[0].split(": ", 1)[1].split(" ")[0]
+    assert printed[0].endswith(f"{value} (traced)")
+    assert printed[1] == f"# kernel fingerprint (rule ops masked): {value} (read from the cache in " \
+        f"{fc.cache_dir()})"
+    # The entry is the one a compare row at the same budget reads, and holds the value traced from scratch.
+    from fxbudget.models import load_model
+
+    model, _, _ = load_model(tiny_dir, progress=False)
+    assert fc.cached_kernel_fingerprint(model, "snapkv", budget=16, compute=Counting("00" * 32)) == (value, True)
+    assert value == real(model, rule="snapkv", budget=16)
+
+
 @dataclass
 class _Weighted(Rule):
     weights: torch.Tensor = None

@@ -364,6 +364,26 @@ def test_model_args_win_over_the_command_lines_device_and_batch_size(setup):
     assert str(lm.device) == "cpu" and lm.batch_size == 3
 
 
+def test_kernel_fingerprint_is_read_from_the_fingerprint_cache(setup, tmp_path, monkeypatch):
+    """The recorded fingerprint is compare's (the probe's) and, traced once, is read back from the on-disk cache by
+    the next evaluation (`kernel_fingerprint_cached`)."""
+    import fxbudget
+    import fxbudget.lmeval.model as lm_model
+
+    model_dir, _, _ = setup
+    monkeypatch.setenv("FXBUDGET_CACHE", str(tmp_path / "cache"))
+    calls = []
+    traced = lm_model.kernel_fingerprint
+    monkeypatch.setattr(lm_model, "kernel_fingerprint", lambda *a, **k: calls.append(k["rule"].name) or traced(*a, **k))
+    lms = [FxBudgetLM(pretrained=model_dir, rule="tova", budget=8) for _ in range(2)]
+    infos = [lm.conditions() for lm in lms]
+    assert calls == ["tova"]  # the second evaluation traced nothing
+    assert [i["kernel_fingerprint_cached"] for i in infos] == [False, True]
+    assert infos[0]["kernel_fingerprint"] == infos[1]["kernel_fingerprint"] == \
+        fxbudget.kernel_fingerprint(lms[0].model, rule="tova", budget=8)  # traced from scratch, uncached
+    assert len(list((tmp_path / "cache" / "fingerprints").glob("*.json"))) == 1
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
 def test_cuda_device_without_cuda_is_one_clear_message(monkeypatch):
     from fxbudget.lmeval import ModelArgsError, loading

@@ -86,6 +86,27 @@ def test_likelihood_table_keeps_absolute_and_relative_values_in_separate_columns
     assert alone.splitlines()[0] == "| rule | B=8: log-prob/token |" and "Δ" not in alone
 
 
+@pytest.mark.parametrize("with_reference", [True, False])
+def test_compare_prints_a_likelihood_heading_naming_the_tables_columns(tmp_path, capsys, with_reference):
+    from types import SimpleNamespace
+
+    from fxbudget.cli.compare import _tables
+
+    rows = [row(rule, s, logprob=-0.5) for rule in ("full", "snapkv") for s in range(2)
+            if with_reference or rule != "full"]
+    _tables(SimpleNamespace(out=write_run(tmp_path, rows), sort="accuracy"),
+            SimpleNamespace(protocols=["query-agnostic"]))
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("answer log-likelihood"))
+    heading, header = lines[at], next(x for x in lines[at + 1:] if x.startswith("| rule"))
+    columns = [c.strip().split(": ", 1)[1] for c in header.strip("|").split("|")[1:]]
+    assert columns == (["log-prob/token", "Δ vs full"] if with_reference else ["log-prob/token"])
+    for column in columns:  # every column the table has, named and explained in its heading
+        assert f"`{column}`: the rule" in heading
+    assert ("rule minus the unmodified model" in heading) == with_reference
+    assert heading.endswith(":") and "nats" in heading
+
+
 def test_likelihood_intervals_appear_from_six_samples():
     rows = [row("full", s, logprob=-0.1) for s in range(6)] + \
            [row("snapkv", s, logprob=-0.5 - 0.1 * s) for s in range(6)]

@@ -105,15 +105,15 @@ def cmd_compare(args) -> int:
         return 0
     stages.mark("tokenizer and samples")
     try:
-        return _run(args, grid, source, place, samples, runner, plan, stages, total)
+        return _run(args, grid, source, place, samples, runner, plan, stages, total, tok)
     except KeyboardInterrupt:
         return _interrupted(args, runner, total)
 
 
-def _run(args, grid, source, place, samples, runner, plan, stages, total) -> int:
+def _run(args, grid, source, place, samples, runner, plan, stages, total, tok) -> int:
     """Load the model (unless on Ray), run the rows, report."""
     if args.ray is None:
-        runner = _load(args, grid, source, place, samples)
+        runner = _load(args, grid, source, place, samples, tok)
         stages.mark("model load")
     todo = sum(len(t) for _, t in plan)
     print(f"[fxbudget] {source.name}: {names.plural(todo, 'row')} to run on {names.plural(len(plan), 'sample')} "
@@ -187,30 +187,31 @@ def _interrupted(args, runner, total: int) -> int:
     return INTERRUPTED
 
 
-def _load(args, grid, source, place, samples):
-    """Load the model (the samples are already built) and return its `Runner`."""
+def _load(args, grid, source, place, samples, tok):
+    """Load the model (the samples are already built with `tok`, its tokenizer, which is not loaded again) and
+    return its `Runner`."""
     from ..harness.malloc import tune_malloc
     from ..harness.runner import Runner
     from ..models import load_model
 
     if not args.default_malloc:
         tune_malloc()
-    model, tokenizer, name = load_model(source, device=place.device, dtype=place.dtype)
-    return Runner(model, tokenizer, name, grid, args.out, shard=args.shard, progress=not args.quiet,
+    model, _, name = load_model(source, device=place.device, dtype=place.dtype, with_tokenizer=False)
+    return Runner(model, tok, name, grid, args.out, shard=args.shard, progress=not args.quiet,
                   max_new_tokens=args.max_new_tokens, samples=samples)
 
 
 def _tables(args, grid) -> None:
     """Print the accuracy and likelihood tables of the rows in `--out` (of this grid's protocols)."""
     from ..harness.report import accuracy_table, likelihood_table, load_rows
+    from ..harness.tables import likelihood_heading
 
     rows = [r for r in load_rows([args.out]) if r["protocol"] in grid.protocols]
     print(f"\naccuracy, protocols side by side (mean [95% interval] (samples); rules by {args.sort}):\n")
     print(accuracy_table(rows, args.sort, by_setting=True))
     likelihood = likelihood_table(rows, args.sort, by_setting=True)
     if likelihood:
-        print("\nanswer log-likelihood per token, rule minus the unmodified model on the same sample (nats; "
-              "mean [95% interval] (samples)):\n")
+        print(f"\n{likelihood_heading(rows)}:\n")
         print(likelihood)
 
 

@@ -83,7 +83,7 @@ def cmd_inspect(args) -> int:
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     ids = ids.to(place.device)
     try:
-        text = summary(model, ids, rule=args.rule, budget=args.budget, layer=args.layer, full=args.full,
+        text = summary(model, ids, rule=args.rule, budget=args.budget, layer=args.layer, full=args.full, cached=True,
                        **preflight.params(args.param).get(args.rule, {}))
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None

@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "fields of a --task-file")
 
     i = sub.add_parser("inspect", help="the rewritten attention of a model: SDPA calls rewritten per layer, the "
-                       "kernel fingerprint and one layer's kernel", formatter_class=_HelpFormatter)
+                       "kernel fingerprint (read from the on-disk cache `compare` shares, else traced and stored) and "
+                       "one layer's kernel", formatter_class=_HelpFormatter)
     _model_options(i)
     i.add_argument("--rule", default="snapkv", help="see `fxbudget rules`")
     i.add_argument("--budget", type=int, default=64, help="KV entries per layer and KV head")

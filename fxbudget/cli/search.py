@@ -43,10 +43,11 @@ def cmd_search(args) -> int:
                        samples=config.samples, seed=config.seed)
     for grid in (calibration, config.holdout_grid()):  # every length checked against each task's minimum
         preflight.samples(grid, tok)
-    return _run(args, config, source, place)
+    return _run(args, config, source, place, tok)
 
 
-def _run(args, config, source, place) -> int:
+def _run(args, config, source, place, tok) -> int:
+    """Load the model (its tokenizer `tok` is the one the checks loaded), search, write the summary."""
     from ..harness.malloc import tune_malloc
     from ..harness.search import load_average, search, summary_markdown
     from ..models import load_model
@@ -58,10 +59,10 @@ def _run(args, config, source, place) -> int:
     if not args.default_malloc:
         tune_malloc()
     start, load_start = time.perf_counter(), load_average()
-    model, tokenizer, _ = load_model(source, device=place.device, dtype=place.dtype)
+    model, _, _ = load_model(source, device=place.device, dtype=place.dtype, with_tokenizer=False)
     command = shlex.join(["fxbudget", *args.argv])
     try:
-        res = search(model, tokenizer, config.model, config, args.out, progress=not args.quiet, command=command)
+        res = search(model, tok, config.model, config, args.out, progress=not args.quiet, command=command)
     except ValueError as e:  # e.g. --out holds a study made with other settings
         raise UsageError(str(e)) from None
     text = summary_markdown(res, note=args.note, wall_s=time.perf_counter() - start, load_start=load_start)

@@ -116,6 +116,16 @@ def reference_note(rows: list[dict]) -> str | None:
             "likely); its interval inverts the paired sign-flip test, which bounds nothing below 6 samples.")
 
 
+def likelihood_heading(rows: list[dict]) -> str:
+    """The line above `likelihood_table(rows)`: what its columns hold (the `Δ vs full` column only with reference
+    rows, as in the table)."""
+    own = "`log-prob/token`: the rule's own mean log-prob per answer token, mean (samples)"
+    if not reference_logprobs(rows):
+        return f"answer log-likelihood per token (nats): {own}; no unmodified-model rows, so no `Δ vs full` column"
+    return (f"answer log-likelihood per token (nats): {own}; `Δ vs full`: the rule minus the unmodified model on the "
+            "same sample, mean [95% interval] (samples)")
+
+
 def likelihood_table(rows: list[dict], sort: str = "accuracy", *, by_setting: bool = False,
                      note: bool = True) -> str | None:
     """Markdown: per rule x budget, two columns: `log-prob/token`, the mean over samples of the answer's mean

@@ -36,6 +36,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from tqdm import tqdm
 
 from ..api import kernel_fingerprint
+from ..fingerprint_cache import cached_kernel_fingerprint
 from ..harness.runner import budget_fraction
 from ..harness.tasks.ruler import find_question
 from . import loading
@@ -97,6 +98,7 @@ class FxBudgetLM(HFLM):
         self.engine = Budgeted(model, self.opts, pad if pad is not None else 0)
         self._question_at: dict[str, int] = {}  # rendered chat prompt -> where its last user turn's content starts
         self._fingerprint: str | None = None
+        self._fingerprint_cached: bool | None = None  # read from the on-disk cache `compare` shares
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "FxBudgetLM":
@@ -280,10 +282,10 @@ class FxBudgetLM(HFLM):
         n_full = list(getattr(model.config, "layer_types", None) or ["full_attention"]).count("full_attention")
         absolute = budget_fraction(o.budget) is None
         schedule = o.rule.layer_budgets(o.budget if absolute else 1024, max(n_full, 1))
-        if self._fingerprint is None:  # traced once, on the unmodified model (every forward is restored by now)
-            ids = torch.zeros(1, 8, dtype=torch.long, device=p.device)
-            try:
-                self._fingerprint = kernel_fingerprint(model, ids, rule=o.rule, budget=o.budget if absolute else 1024)
+        if self._fingerprint is None:  # once, on the unmodified model (every forward is restored by now)
+            try:  # compare's value on its probe, read from the on-disk cache when traced before
+                self._fingerprint, self._fingerprint_cached = cached_kernel_fingerprint(
+                    model, o.rule, budget=o.budget if absolute else 1024, compute=kernel_fingerprint)
             except Exception as e:  # noqa: BLE001  (called after the evaluation: record why, do not lose its results)
                 self._fingerprint = f"unavailable: {type(e).__name__}: {e}"
                 warnings.warn(f"fxbudget: kernel fingerprint {self._fingerprint}", stacklevel=2)
@@ -294,6 +296,7 @@ class FxBudgetLM(HFLM):
             "allocation": "uniform" if schedule is None else f"per-layer ({o.rule.name} schedule)",
             "observation_window": o.window, "chunk_size": o.chunk_size, "rolling_call_tokens": o.rolling_call,
             "backend": o.backend or "none", "block": o.block, "kernel_fingerprint": self._fingerprint,
+            "kernel_fingerprint_cached": self._fingerprint_cached,
             "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."),
             "versions": {"fxbudget": _version("flexbudget"), "lm_eval": _version("lm_eval"),
                          "torch": torch.__version__, "transformers": transformers.__version__,

@@ -102,6 +102,7 @@ def summary_markdown(res: SearchResult, note: str | None = None, wall_s: float |
         load_start: the load average when the run started (`load_average()`); the one at the end is added here.
     """
     from ..report import accuracy_table, likelihood_table, paired_tables
+    from ..tables import likelihood_heading
 
     c, env = res.config, res.environment
     trials = complete_trials(res.study)
@@ -184,7 +185,8 @@ def summary_markdown(res: SearchResult, note: str | None = None, wall_s: float |
               "### Held-out accuracy", "", accuracy_table(res.holdout_rows, "likelihood"), ""]
     lik = likelihood_table(res.holdout_rows, "likelihood")
     if lik:
-        parts += ["### Held-out answer log-likelihood per token, rule minus the unmodified model (nats)", "", lik, ""]
+        parts += ["### Held-out answer log-likelihood per token", "", likelihood_heading(res.holdout_rows) + ":", "",
+                  lik, ""]
     prints = {r["kernel_fingerprint"] for r in res.holdout_rows if r.get("kernel_fingerprint")}
     kernel = "one fingerprint for every rule, the searched one included" if len(prints) == 1 else \
         f"**{len(prints)} different fingerprints**: the rules did not run one kernel"
