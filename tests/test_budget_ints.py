@@ -20,7 +20,7 @@ def _counting_traces(monkeypatch) -> list[int]:
     real = sdpa._trace_phases
 
     def traced(fake, *args, **kwargs):
-        calls.append(fake["k_slots"].shape[2])
+        calls.append(fake["keys"].shape[2])
         return real(fake, *args, **kwargs)
 
     monkeypatch.setattr(sdpa, "_trace_phases", traced)

@@ -135,7 +135,7 @@ def test_cross_attention_left_alone(caplog):
 def test_rewritten_graph_snapshot():
     code = fxbudget.inspect(OneLayer(), _ids(3), rule="knorm", budget=4, cache=fxbudget.BudgetCache(CONFIG, 4))
     assert_expected_inline(code, """\
-def forward(self, L_forward_self_modules_emb_parameters_weight_ : torch.nn.parameter.Parameter, L_kwargs_input_ids_ : torch.Tensor, L_forward_self_modules_q_parameters_weight_ : torch.nn.parameter.Parameter, L_forward_self_modules_k_parameters_weight_ : torch.nn.parameter.Parameter, L_forward_self_modules_v_parameters_weight_ : torch.nn.parameter.Parameter, L_kwargs_past_key_values_layers_0_seen : torch.Tensor, L_kwargs_past_key_values_layers_0_keys : torch.Tensor, L_kwargs_past_key_values_layers_0_values : torch.Tensor, L_kwargs_past_key_values_layers_0_pos : torch.Tensor, L_kwargs_past_key_values_layers_0_state : torch.Tensor, L_kwargs_past_key_values_layers_0_norms : torch.Tensor, L_kwargs_past_key_values_layers_0_totals : torch.Tensor, L_kwargs_past_key_values_layers_0_inv_freq : torch.Tensor, L_kwargs_past_key_values_layers_0_wo : torch.Tensor, L_kwargs_past_key_values_layers_0_owner : torch.Tensor, L_forward_self_modules_out_parameters_weight_ : torch.nn.parameter.Parameter):
+def forward(self, L_forward_self_modules_emb_parameters_weight_ : torch.nn.parameter.Parameter, L_kwargs_input_ids_ : torch.Tensor, L_forward_self_modules_q_parameters_weight_ : torch.nn.parameter.Parameter, L_forward_self_modules_k_parameters_weight_ : torch.nn.parameter.Parameter, L_forward_self_modules_v_parameters_weight_ : torch.nn.parameter.Parameter, L_kwargs_past_key_values_layers_0_seen : torch.Tensor, L_kwargs_past_key_values_layers_0_keys : torch.Tensor, L_kwargs_past_key_values_layers_0_values : torch.Tensor, L_kwargs_past_key_values_layers_0_pos : torch.Tensor, L_kwargs_past_key_values_layers_0_state : torch.Tensor, L_kwargs_past_key_values_layers_0_norms : torch.Tensor, L_kwargs_past_key_values_layers_0_totals : torch.Tensor, L_kwargs_past_key_values_layers_0_owner : torch.Tensor, L_kwargs_past_key_values_layers_0_inv_freq : torch.Tensor, L_kwargs_past_key_values_layers_0_wo : torch.Tensor, L_forward_self_modules_out_parameters_weight_ : torch.nn.parameter.Parameter):
     l_forward_self_modules_emb_parameters_weight_ = L_forward_self_modules_emb_parameters_weight_
     l_kwargs_input_ids_ = L_kwargs_input_ids_
     l_forward_self_modules_q_parameters_weight_ = L_forward_self_modules_q_parameters_weight_
@@ -148,9 +148,9 @@ def forward(self, L_forward_self_modules_emb_parameters_weight_ : torch.nn.param
     l_kwargs_past_key_values_layers_0_state = L_kwargs_past_key_values_layers_0_state
     l_kwargs_past_key_values_layers_0_norms = L_kwargs_past_key_values_layers_0_norms
     l_kwargs_past_key_values_layers_0_totals = L_kwargs_past_key_values_layers_0_totals
+    l_kwargs_past_key_values_layers_0_owner = L_kwargs_past_key_values_layers_0_owner
     l_kwargs_past_key_values_layers_0_inv_freq = L_kwargs_past_key_values_layers_0_inv_freq
     l_kwargs_past_key_values_layers_0_wo = L_kwargs_past_key_values_layers_0_wo
-    l_kwargs_past_key_values_layers_0_owner = L_kwargs_past_key_values_layers_0_owner
     l_forward_self_modules_out_parameters_weight_ = L_forward_self_modules_out_parameters_weight_
     x = torch.nn.functional.embedding(l_kwargs_input_ids_, l_forward_self_modules_emb_parameters_weight_, None, None, 2.0, False, False);  l_kwargs_input_ids_ = l_forward_self_modules_emb_parameters_weight_ = None
     linear = torch._C._nn.linear(x, l_forward_self_modules_q_parameters_weight_, None);  l_forward_self_modules_q_parameters_weight_ = None

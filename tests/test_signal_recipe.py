@@ -33,12 +33,13 @@ class ByValueMax(Rule):
         return s.value_max
 
 torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256)
+shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
 ids = torch.randint(0, 64, (1, 24))
 kept = {}
 for backend in (None, "aot_eager"):
-    model = LlamaForCausalLM(cfg).eval()
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
     fxbudget.compile(model, rule=ByValueMax(), budget=6, backend=backend)
     cache = model.forward.new_cache(1)
     values = []
