@@ -1,0 +1,148 @@
+"""The traced causal triangle in one block body: query blocks folded in pairs over key tiles (issue 30).
+
+A full-attention call of `n` new tokens in `nb` query blocks of `R` queries (`nb` rounded up to even with a block
+of pads) is scanned in `nb / 2` steps. Step `j` takes query block `j` (first) and query block `nb - 1 - j` (last):
+together they see `j + 1` and `nb - j` key tiles of `R` new tokens, `nb + 1` tiles whatever `j`. The step gathers
+those tiles (tile `u` is key tile `u` of the first block for `u <= j`, key tile `u - j - 1` of the last block after),
+and computes every tile's logits with its own query block in one batched matmul: `[nb + 1, rows, R]` per KV head,
+the same O(R x n) working memory as a query block of the eager loop, and nothing outside the triangle besides the
+masked upper halves of the diagonal tiles. So:
+- the work is the triangle: `(nb + 1) / (2 nb)` of the padded square (0.5 + 1 / (2 nb)), not the level scan's
+  `(L + 1) / (2 L)`;
+- the graph holds one step body whatever `n` (one `scan`, static shapes: `nb` only changes the sizes);
+- no host sync, no data-dependent size: the step's tile indices are data (gathers of a static count).
+Each query row's softmax is exact within its step (its row max and normalizer over the slots and all its tiles are
+reductions over the step's tiles, split by which block a tile belongs to), so the weighted column sums every signal
+needs use the final normalizers directly: one QK, one PV and one weights-times-probabilities product per tile,
+the floor of a kernel that must return per-candidate attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch._higher_order_ops.scan import scan_op
+
+
+def fold_pairs(nb: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """The schedule of `fold_scan` for `nb` query blocks, in plain ints (what the step body computes from data):
+    per step, `(first query block, [(query block, key tile) for each of the step's nb' + 1 tiles])`, nb' = `nb`
+    rounded up to even. Every (query block, key tile <= query block) pair of the padded triangle appears once."""
+    nb2 = nb + nb % 2
+    steps = []
+    for j in range(nb2 // 2):
+        steps.append((j, [(j, u) if u <= j else (nb2 - 1 - j, u - j - 1) for u in range(nb2 + 1)]))
+    return steps
+
+
+def fold_scan(blk, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
+    """`block_scan.scan_blocks` of a full-attention layer (or a window covering the call) as the folded triangle.
+
+    Args:
+        blk: the call's `kernel._Block`. queries: `[b, h, group * n, d]` (group-major rows), in `blk.acc`.
+        qpos: `[b, n]` int32 positions (-1 = pad). weights: `[b, 3, n]` query weights of the three signals.
+        R: queries per block (and new tokens per key tile).
+    Returns:
+        The output `[b, h, group, n, dv]`, the weighted attention sums over the slots `[b, h, 3, S]` and over the new
+        tokens `[b, h, 3, n]` (the eager loop's, up to float rounding).
+    """
+    b, h, S = blk.slot_pos.shape
+    n = qpos.shape[1]
+    g = queries.shape[2] // n
+    d = queries.shape[-1]
+    nb = -(-n // R)
+    nb2 = nb + nb % 2  # an even number of blocks: the last may be all pads
+    N = nb2 * R
+    pad = N - n
+    steps = nb2 // 2
+    dev = queries.device
+
+    qb = F.pad(queries.view(b, h, g, n, d), (0, 0, 0, pad)).view(b, h, g, nb2, R, d).permute(3, 0, 1, 2, 4, 5)
+    pb = F.pad(qpos, (0, pad), value=-1).view(b, nb2, R).transpose(0, 1)
+    wb = F.pad(weights, (0, pad)).view(b, 3, nb2, R).permute(2, 0, 1, 3)
+    # Step j's two query blocks, j and nb2 - 1 - j, side by side (a scan slices contiguous inputs).
+    xs = [torch.stack([x[:steps], x.flip(0)[:steps]], dim=1).contiguous() for x in (qb, pb, wb)]
+    kt, vt = (F.pad(x, (0, 0, 0, pad)).view(b, h, nb2, R, x.shape[-1]).permute(2, 0, 1, 3, 4).contiguous()
+              for x in (blk.k_new, blk.v_new))
+    kpt = F.pad(blk.new_pos, (0, pad), value=-1).view(b, 1, nb2, R).permute(2, 0, 1, 3).contiguous()
+    body = _fold_body(blk.scale, blk.sliding, b, h, g, R, S, nb2)
+    init = [weights.new_zeros(b, h, 3, S), weights.new_zeros(b, h, 3, N)]
+    sig_s, sig_n, ys = scan_op(body, init, [torch.arange(steps, device=dev), *xs],
+                               (blk.k_slots, blk.v_slots, blk.slot_pos, kt, vt, kpt,
+                                torch.arange(nb2 + 1, device=dev)))
+    dv = ys.shape[-1]
+    # ys [steps, 2, b, h, g, R, dv]: blocks 0..steps-1 first, then the last blocks in reverse step order.
+    blocks = torch.cat([ys[:, 0], ys[:, 1].flip(0)])
+    out = blocks.permute(1, 2, 3, 0, 4, 5).reshape(b, h, g, N, dv)[:, :, :, :n]
+    return out, sig_s, sig_n[..., :n]
+
+
+def _heads_matmul(a: Tensor, m: Tensor) -> Tensor:
+    # `kernel._heads_matmul` (not imported: kernel imports this module's caller): `m` may have one head (the pool).
+    b, h = a.shape[:2]
+    if m.shape[1] == h:
+        return a @ m
+    return (a.reshape(b, 1, h * a.shape[2], a.shape[-1]) @ m).view(*a.shape[:-1], m.shape[-1])
+
+
+def _fold_body(scale: float, sliding: int, b: int, h: int, g: int, R: int, S: int, nb2: int):
+    T = nb2 + 1  # tiles per step
+    gr = g * R
+    neg = float("-inf")
+
+    def visible(kp: Tensor, qp: Tensor) -> Tensor:
+        vis = (kp >= 0) & (kp <= qp)
+        return vis & (kp > qp - sliding) if sliding else vis
+
+    def body(sig_s, sig_n, j, q2, qp2, w2, k_slots, v_slots, slot_pos, kt, vt, kpt, u):
+        # q2 [2, b, h, g, R, d], qp2 [2, b, R], w2 [2, b, 3, R]; tiles u: the first block's for u <= j.
+        second = u > j
+        side = second.long()
+        kidx = torch.where(second, u - j - 1, u)
+        qs = q2 * scale  # scaled once ([queries, d]), not in the logits
+        # The tiles' logits, each against its own query block: one batched matmul [T, b, h, g * R, R].
+        ln = qs.index_select(0, side).view(T, b, h, gr, -1) @ kt.index_select(0, kidx).transpose(-1, -2)
+        ln = ln.view(T, b, h, g, R, R)
+        qpt = qp2.index_select(0, side).view(T, b, 1, 1, R, 1)
+        ln.masked_fill_(~visible(kpt.index_select(0, kidx).view(T, b, 1, 1, 1, R), qpt), neg)
+        # The slots, for both blocks' rows: [b, h, 2, g, R, S].
+        ls = _heads_matmul(qs.permute(1, 2, 0, 3, 4, 5).reshape(b, h, 2 * gr, -1), k_slots.transpose(-1, -2))
+        ls = ls.view(b, h, 2, g, R, S)
+        qps = qp2.transpose(0, 1).reshape(b, 1, 2, 1, R, 1)
+        ls.masked_fill_(~visible(slot_pos.view(b, slot_pos.shape[1], 1, 1, 1, S), qps), neg)
+
+        sec = second.view(T, 1, 1, 1, 1)
+        mt = ln.amax(dim=-1)  # [T, b, h, g, R]
+        m2 = torch.stack([mt.masked_fill(sec, neg).amax(0), mt.masked_fill(~sec, neg).amax(0)])
+        if S:
+            m2 = torch.maximum(m2, ls.amax(dim=-1).permute(2, 0, 1, 3, 4))
+        # A row with nothing visible (a pad) would be NaN; it attends to nothing instead (exp(-inf) = 0).
+        m2 = m2.masked_fill(m2 == neg, 0.0)  # [2, b, h, g, R]
+        en = ln.sub_(m2.index_select(0, side).unsqueeze(-1)).exp_()
+        es = ls.sub_(m2.permute(1, 2, 0, 3, 4).unsqueeze(-1)).exp_()
+        st = en.sum(dim=-1)
+        denom = torch.stack([st.masked_fill(sec, 0.0).sum(0), st.masked_fill(~sec, 0.0).sum(0)]) \
+            + es.sum(dim=-1).permute(2, 0, 1, 3, 4)
+        inv = 1.0 / denom.masked_fill(denom == 0, 1.0)  # [2, b, h, g, R]
+
+        en = en.view(T, b, h, gr, R)
+        es = es.view(b, h, 2, gr, S)
+        pv = en @ vt.index_select(0, kidx)  # [T, b, h, g * R, dv]
+        o2 = torch.stack([pv.masked_fill(sec, 0.0).sum(0), pv.masked_fill(~sec, 0.0).sum(0)])
+        o2 = (o2 + _heads_matmul(es.reshape(b, h, 2 * gr, S), v_slots).view(b, h, 2, gr, -1).permute(2, 0, 1, 3, 4))
+        o2 = (o2 * inv.view(2, b, h, gr, 1)).view(2, b, h, g, R, -1)
+
+        # Weighted column sums with the final normalizers: [2, b, h, 3, g * R] weights per row.
+        wg = (w2.view(2, b, 1, 3, 1, R) * inv.view(2, b, h, 1, g, R)).reshape(2, b, h, 3, gr)
+        col = wg.index_select(0, side) @ en  # [T, b, h, 3, R]
+        s_s = (wg.permute(1, 2, 0, 3, 4) @ es).sum(dim=2)  # [b, h, 3, S]
+        # Key tile k's sum: tile k of the first block (k <= j) plus tile j + 1 + k of the last (k <= nb2 - 1 - j).
+        k = u[:nb2]
+        later = k + j + 1
+        first_part = col[:nb2].masked_fill((k > j).view(nb2, 1, 1, 1, 1), 0.0)
+        last_part = col.index_select(0, later.clamp(max=nb2)).masked_fill((later > nb2).view(nb2, 1, 1, 1, 1), 0.0)
+        s_n = (first_part + last_part).permute(1, 2, 3, 0, 4).reshape(b, h, 3, nb2 * R)
+        return sig_s + s_s, sig_n + s_n, o2
+
+    return body
