@@ -6,7 +6,7 @@ import torch
 
 from fxbudget import rules
 from fxbudget.kernel import SIGNAL_NAMES, measure
-from fxbudget.key_scan import fold_pairs
+from fxbudget.key_scan import fold_pairs, padded_blocks, tile_blocks
 from fxbudget.passes.sdpa import trace_kernel
 
 from host_sync import graph_host_syncs
@@ -16,19 +16,28 @@ WINDOW = 4
 
 
 def test_fold_pairs_visit_exactly_the_triangle():
-    """Each step pairs block j with block nb' - 1 - j (nb' = nb rounded up to even) over nb' + 1 key tiles; over
-    all steps every (query block, key tile <= query block) pair of the padded triangle comes once, nothing else."""
+    """Each step pairs block j with block nb' - 1 - j (nb' = nb rounded up to a multiple of 2 c) over nb' / c + 1 key
+    tiles of c blocks; over all steps every (query block i, key tile k <= i // c) pair of the padded triangle comes
+    once, nothing else."""
     assert fold_pairs(4) == [(0, [(0, 0), (3, 0), (3, 1), (3, 2), (3, 3)]),
                              (1, [(1, 0), (1, 1), (2, 0), (2, 1), (2, 2)])]
     assert fold_pairs(1) == [(0, [(0, 0), (1, 0), (1, 1)])]  # one block: a pad block joins it
+    assert fold_pairs(4, 2) == [(0, [(0, 0), (3, 0), (3, 1)]), (1, [(1, 0), (2, 0), (2, 1)])]
     for nb in range(1, 40):
-        nb2 = nb + nb % 2
-        steps = fold_pairs(nb)
-        assert len(steps) == nb2 // 2 and all(len(tiles) == nb2 + 1 for _, tiles in steps)
-        pairs = [p for _, tiles in steps for p in tiles]
-        assert sorted(pairs) == sorted((i, k) for i in range(nb2) for k in range(i + 1))
-        # the step's two blocks: j first, then nb' - 1 - j
-        assert all({i for i, _ in tiles} == {j, nb2 - 1 - j} for j, tiles in steps)
+        for c in (1, 2, 3, 4):
+            nb2 = padded_blocks(nb, c)
+            assert nb2 >= nb and nb2 % (2 * c) == 0 and nb2 - nb < 2 * c
+            steps = fold_pairs(nb, c)
+            assert len(steps) == nb2 // 2 and all(len(tiles) == nb2 // c + 1 for _, tiles in steps)
+            pairs = [p for _, tiles in steps for p in tiles]
+            assert sorted(pairs) == sorted((i, k) for i in range(nb2) for k in range(i // c + 1))
+            assert all({i for i, _ in tiles} == {j, nb2 - 1 - j} for j, tiles in steps)
+    # Tiles of at least 64 new tokens once the call has 16 blocks per tile block; pads stay under 1/8 of the call.
+    assert [tile_blocks(R, nb) for R, nb in ((64, 32), (32, 128), (16, 512), (16, 32), (4, 7), (2, 10_000))] == \
+        [1, 2, 4, 2, 1, 32]
+    for nb in range(1, 600, 7):
+        for R in (2, 5, 16, 64):
+            assert padded_blocks(nb, tile_blocks(R, nb)) - nb <= max(1, nb // 8)
 
 
 def reference(inputs: dict, window: int, sliding: int) -> tuple[torch.Tensor, ...]:
@@ -77,6 +86,8 @@ CASES = [  # n, block, sliding, h (KV heads), g (group), held slots, left pads p
     (61, 4, 6, 2, 3, 3, (0, 9)),    # a sliding layer narrower than the call: the band scan
     (9, 2, 0, 2, 2, 3, (0, 2)),     # the smallest block, 5 blocks
     (17, 16, 0, 2, 2, 3, (1, 0)),   # two blocks, the second one query and pads
+    (83, 2, 0, 2, 2, 5, (0, 7)),    # 42 blocks in tiles of 2 (tile_blocks): 44 with pads, 23 tiles a step
+    (101, 3, 0, 1, 4, 2, (3, 0)),   # MQA, 34 blocks in tiles of 2, 36 with pads
 ]
 
 
@@ -131,8 +142,8 @@ def _scans(gm):
 
 @pytest.mark.parametrize("h, g", [(2, 3), (1, 6), (3, 1)])
 def test_one_body_whatever_the_length(h, g):
-    """A full-attention layer's traced measure phase holds one scan, of nb' / 2 steps over nb' + 1 key tiles, and
-    the same graph (node count) from 8 blocks to 256; it reads nothing back to the host."""
+    """A full-attention layer's traced measure phase holds one scan, of nb' / 2 steps over nb' / c + 1 key tiles,
+    and the same graph (node count) from 8 blocks to 256; it reads nothing back to the host."""
     nodes = {}
     for n in (29, 253, 1021):
         inputs = {k: v.float() if v.is_floating_point() else v
@@ -140,10 +151,12 @@ def test_one_body_whatever_the_length(h, g):
         kt = trace_kernel(inputs, rules.get("h2o"), budget=7, keep=7, sliding=0, window=WINDOW, scale=None, block=4,
                           budget_ints=False)
         (scan,) = _scans(kt.measure)
-        nb2 = -(-n // 4) + (-(-n // 4)) % 2
+        nb = -(-n // 4)
+        c = tile_blocks(4, nb)
+        nb2 = padded_blocks(nb, c)
         steps = scan.args[2][0].meta["val"].shape[0]
         tiles = scan.args[3][-1].meta["val"].shape[0]
-        assert (steps, tiles) == (nb2 // 2, nb2 + 1)
+        assert (steps, tiles) == (nb2 // 2, nb2 // c + 1)
         assert graph_host_syncs(kt.measure) == []
         nodes[n] = _count(kt.measure)
     assert len(set(nodes.values())) == 1, nodes
