@@ -59,9 +59,10 @@ def _scans_of(gm) -> list[tuple[int, int]]:
 
 def test_traced_scans_snapshot():
     """The graph's scans for calls of growing length (block 4), as steps x new tokens a step attends over: one scan
-    and the same graph (node count) whatever `n`. A full layer's step is two query blocks over `nb' + 1` key tiles,
-    so the work over the new tokens is the triangle, `(nb' + 1) / (2 nb')` of the padded square (0.5 as `n` grows);
-    a sliding layer keeps one band scan. None of these graphs reads anything back to the host."""
+    and the same graph (node count) whatever `n`. A full layer's step is two query blocks over `nb' / c + 1` key
+    tiles of `c` blocks (`key_scan.tile_blocks`: 1 up to 31 blocks, 16 at 256), so the work over the new tokens is
+    the triangle, `(nb' + c) / (2 nb')` of the padded square (0.5 + c / (2 nb')); a sliding layer keeps one band
+    scan. None of these graphs reads anything back to the host."""
     rows = {}
     for n, sliding in ((9, 0), (61, 0), (125, 0), (253, 0), (1021, 0), (61, 6), (1021, 6)):
         inputs = {k: v.float() if v.is_floating_point() else v for k, v in _call(n=n, left_pads=(0, 3)).items()}
@@ -78,8 +79,8 @@ def test_traced_scans_snapshot():
     assert_expected_inline("\n".join(lines), """\
 n=9 sliding=0: 2x20 (work 1.481 of the square, nodes +0 vs n=1021)
 n=61 sliding=0: 8x68 (work 0.557 of the square, nodes +0 vs n=1021)
-n=125 sliding=0: 16x132 (work 0.528 of the square, nodes +0 vs n=1021)
-n=253 sliding=0: 32x260 (work 0.514 of the square, nodes +0 vs n=1021)
-n=1021 sliding=0: 128x1028 (work 0.503 of the square, nodes +0 vs n=1021)
+n=125 sliding=0: 16x136 (work 0.544 of the square, nodes +0 vs n=1021)
+n=253 sliding=0: 32x272 (work 0.538 of the square, nodes +0 vs n=1021)
+n=1021 sliding=0: 128x1088 (work 0.533 of the square, nodes +0 vs n=1021)
 n=61 sliding=6: 16x9 (work 0.148 of the square, nodes +0 vs n=1021)
 n=1021 sliding=6: 256x9 (work 0.009 of the square, nodes +0 vs n=1021)""")
