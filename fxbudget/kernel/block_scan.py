@@ -1,13 +1,11 @@
 """The traced query-blocked measure phase: `scan` higher-order ops over query blocks, static shapes, no host sync.
 
-`kernel.measure` runs its query blocks eagerly as a Python loop (`kernel._loop_blocks`), each block narrowed to the
+`measure.measure` runs its query blocks eagerly as a Python loop (`attention.loop_blocks`), each block narrowed to the
 new tokens it can see. A traced graph cannot narrow by data (`.item()` sizes fail to compile on torch 2.14/2.15 and for
 one KV head, and sync the host), and an unrolled loop grows with the call. Here every size is a Python int known at
 trace time:
-- full-attention layers: the blocks are split into at most `SCAN_LEVELS` consecutive levels; the blocks of a level
-  attend over the new tokens up to the end of that level (causally later ones masked by position), each level its own
-  `scan` of static key extent. Work is (L + 1) / (2 L) of the n x n square for L levels (0.5625 at 8) instead of 1,
-  and the graph holds at most `SCAN_LEVELS` block bodies whatever `n`.
+- full-attention layers (or a window covering the call): one `scan` over pairs of query blocks folded over key tiles
+  (`key_scan.fold_scan`): the exact causal triangle, one block body whatever `n`.
 - sliding layers: one `scan`; a block attends over a band of `block + sliding - 1` new tokens ending at its last
   query, gathered at a data offset (a gather, not a data-dependent size).
 """
@@ -19,36 +17,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._higher_order_ops.scan import scan_op
 
-# Levels of the full-attention scan: more recover more of the triangle ((L + 1) / (2 L) of the square) but each
-# compiles one more block body (about 1 s on this CPU, per graph: every shape bucket has its own). So a call gets one
-# level per `LEVEL_BLOCKS` query blocks, at most `SCAN_LEVELS`: at the automatic block, 4 levels at 2K tokens and 8
-# from 4K on (a CPU-time probe of one layer at 8K tokens: 4 levels took 5.7 s, one level 7.5 s, the old kernel that
-# narrowed each block by `.item()` 4.3 s).
-SCAN_LEVELS = 8
-LEVEL_BLOCKS = 8
-
-
-def scan_levels(nb: int, R: int, n: int, levels: int | None = None) -> list[tuple[int, int, int]]:
-    """The levels of `nb` query blocks of `R` queries over a call of `n` new tokens: `(first block, end block, key
-    extent)` per level, in order. Levels are as equal as whole blocks allow (equal widths minimize the work); the key
-    extent is the new tokens the level's last block can see, `min(end block * R, n)`.
-
-    Args:
-        nb: number of query blocks (`ceil(n / R)`). R: queries per block. n: new tokens of the call.
-        levels: how many levels (at most `nb`); None = one per `LEVEL_BLOCKS` blocks, 1 to `SCAN_LEVELS`.
-    Returns:
-        One `(b0, b1, keys)` triple per level: blocks `b0:b1` attend over new tokens `0:keys`.
-    """
-    L = max(1, min(SCAN_LEVELS, nb // LEVEL_BLOCKS) if levels is None else min(levels, nb))
-    bounds = [nb * i // L for i in range(L + 1)]
-    return [(b0, b1, min(b1 * R, n)) for b0, b1 in zip(bounds, bounds[1:])]
+from .key_scan import fold_scan
 
 
 def scan_blocks(blk, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
-    """Traced: `kernel._loop_blocks`'s blocks as `scan`s over blocks (Inductor lowers each to a loop).
+    """Traced: `attention.loop_blocks`'s blocks as one `scan` (Inductor lowers it to a loop).
 
     Args:
-        blk: the call's `kernel._Block` (slots and new tokens); its slot tensors are passed through unchanged.
+        blk: the call's `attention.Block` (slots and new tokens); its slot tensors are passed through unchanged.
         queries: `[b, h, group * n, d]` (group-major rows). qpos: `[b, n]` int32 positions (-1 = pad).
         weights: `[b, 3, n]` query weights of the three attention signals. R: queries per block.
     Returns:
@@ -59,6 +35,9 @@ def scan_blocks(blk, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
     n = qpos.shape[1]
     g = queries.shape[2] // n
     nb = -(-n // R)
+    if not (blk.sliding and R + blk.sliding - 1 < nb * R):
+        # Full attention, or a window that covers the whole call: the triangle, query blocks folded in pairs.
+        return fold_scan(blk, queries, qpos, weights, R)
     pad = nb * R - n
     d = queries.shape[-1]
     # The queries padded to whole blocks with pads (position -1), block-major and contiguous: a scan traces its body
@@ -68,10 +47,7 @@ def scan_blocks(blk, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
         q5.view(b, h, g, nb, R, d).permute(3, 0, 1, 2, 4, 5).reshape(nb, b, h, g * R, d),
         F.pad(qpos, (0, pad), value=-1).view(b, nb, R).transpose(0, 1),
         F.pad(weights, (0, pad)).view(b, 3, nb, R).permute(2, 0, 1, 3))]
-    if blk.sliding and R + blk.sliding - 1 < nb * R:
-        sig_s, sig_n, ys = _band_scan(blk, xs, nb, R, n)
-    else:  # full attention, or a window that covers the whole call
-        sig_s, sig_n, ys = _level_scans(blk, xs, nb, R, n)
+    sig_s, sig_n, ys = _band_scan(blk, xs, nb, R, n)
     dv = ys.shape[-1]
     out = ys.view(nb, b, h, g, R, dv).permute(1, 2, 3, 0, 4, 5).reshape(b, h, g, nb * R, dv)[:, :, :, :n]
     return out, sig_s, sig_n
@@ -80,31 +56,6 @@ def scan_blocks(blk, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
 def _inner(blk, k_slots, v_slots, slot_pos, kn, vn, np_):
     # The body's own block over its inputs (a scan body may not close over tensors).
     return type(blk)(k_slots, v_slots, slot_pos, kn, vn, np_, blk.scale, blk.sliding, blk.acc)
-
-
-def _level_scans(blk, xs: list[Tensor], nb: int, R: int, n: int):
-    """One scan per level (`scan_levels`); the sums are carried from level to level, so every candidate's sum adds
-    the blocks in the eager loop's order (a level's sums over the new tokens grow by zeros to the next extent)."""
-    b, h, S = blk.slot_pos.shape
-    sig_s = xs[2].new_zeros(b, h, 3, S)
-    sig_n = None
-    outs = []
-    for b0, b1, keys in scan_levels(nb, R, n):
-        body = _level_body(blk, keys)
-        grown = xs[2].new_zeros(b, h, 3, keys) if sig_n is None else F.pad(sig_n, (0, keys - sig_n.shape[-1]))
-        sig_s, sig_n, ys = scan_op(body, [sig_s, grown], [x[b0:b1] for x in xs],
-                                   (blk.k_slots, blk.v_slots, blk.slot_pos, blk.k_new[:, :, :keys],
-                                    blk.v_new[:, :, :keys], blk.new_pos[..., :keys]))
-        outs.append(ys)
-    return sig_s, sig_n, torch.cat(outs) if len(outs) > 1 else outs[0]
-
-
-def _level_body(blk, keys: int):
-    # A closure per level (its key extent), not a default argument: the scan traces every argument as a tensor.
-    def body(sig_s, sig_n, qb, qp, wb, k_slots, v_slots, slot_pos, kn, vn, np_):
-        o, s_s, s_n = _inner(blk, k_slots, v_slots, slot_pos, kn, vn, np_)(qb, qp, wb, 0, keys)
-        return sig_s + s_s, sig_n + s_n, o
-    return body
 
 
 def _band_scan(blk, xs: list[Tensor], nb: int, R: int, n: int):

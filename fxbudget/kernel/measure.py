@@ -32,7 +32,8 @@ def measure(
     of `block` positions, so temporaries are O(block x candidates), never O(n x candidates). Eagerly (a Python
     loop over blocks) a block skips the new tokens it cannot see (causally later ones, and on sliding layers those
     before its window). `traced=True` (the graph pass) loops with `scan` higher-order ops of static shapes, so the
-    compiled graph does not grow with `n` and holds no host sync (`block_scan.scan_blocks`).
+    compiled graph does not grow with `n` and holds no host sync (`block_scan.scan_blocks`: a full layer's
+    query blocks folded in pairs over exactly the causal triangle, `key_scan.fold_scan`; a sliding layer's band).
     """
     k_slots, v_slots, pos_slots = slots.keys, slots.values, slots.pos
     k_new, v_new, new_pos = new.keys, new.values, new.pos
