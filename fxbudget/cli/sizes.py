@@ -195,7 +195,9 @@ def estimate_line(grid, plan, samples: dict, sized: list[tuple], config, device:
                   max_new_tokens: int | None) -> str:
     """The line printed before a grid starts: its rows, samples, tokens and (on the CPU) an estimated time."""
     prefill, steps = grid_tokens(grid, plan, samples, sized, max_new_tokens)
-    rows = sum(len(t) for _, t in plan)
+    from ..harness.grid import plan_rows
+
+    rows = plan_rows(plan)
     head = (f"{plural(rows, 'row')} on {plural(len(plan), 'sample')}: {_count(prefill)} prompt and answer tokens "
             f"through the model, at most {_count(steps)} decoding steps")
     if device != "cpu":
