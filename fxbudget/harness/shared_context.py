@@ -136,6 +136,7 @@ def _answer(model, cache, logits, turn: Turn, eos, likelihood: bool, stepwise: b
     return lp, lik, ids, dec, kv
 
 
+@torch.no_grad()
 def multi_request(model: nn.Module, cache, turns: list[Turn], *, eos: set[int], likelihood: bool = True,
                   stepwise: bool = False) -> Iterator[TurnResult]:
     """Answer each request from the compressed context in `cache` (prefilled, compressed: the state every request
@@ -153,6 +154,7 @@ def multi_request(model: nn.Module, cache, turns: list[Turn], *, eos: set[int], 
         yield _result(t, ids, lp, q, dec, lik, kv, turn.prompt.shape[1])
 
 
+@torch.no_grad()
 def multi_turn(model: nn.Module, cache, turns: list[Turn], *, eos: set[int], likelihood: bool = True,
                stepwise: bool = False) -> Iterator[TurnResult]:
     """The requests as turns of one chat on `cache` (prefilled, compressed context), in place: turn t's call appends
