@@ -73,6 +73,9 @@ def turn_table(rows, sort: str = "accuracy") -> str:
         d = decays[(rule, b)]
         lines.append(f"| {rule_name(rule)} | {b if b is not None else '-'} | " + " | ".join(cells) + " | "
                      + (f"{interval(d)} | {adjusted[(rule, b)]:.3f} |" if d is not None else "- | - |"))
+    depths = [[r["depth"] for r in rows if r["turn"] == t and r.get("depth") is not None] for t in ts]
+    if all(depths):  # what each turn asked: a turn of deeper needles is not a decay
+        lines.append("| *asked needle's depth (mean)* | | " + " | ".join(f"*{mean(d):.2f}*" for d in depths) + " | | |")
     verdict = decay_verdict({k: (decays[k], p) for k, p in adjusted.items()})
     return "\n".join(lines) + ("\n\n" + "\n".join(verdict) if verdict else "")
 

@@ -1,7 +1,8 @@
 """Shared-context tasks (SCBench, Li et al. 2024, arXiv:2412.10319): one long context, several requests over it.
 
-A sample's context holds K needles spread evenly over it; its requests ask for them one by one, in a seeded order (so
-the turn index is not the needle's depth). Under the `multi-request` protocol the context is compressed once and each
+A sample's context holds K needles spread evenly over it; its requests ask for them one by one, in an order rotated
+by the seed (a Latin square: K consecutive samples ask every needle position at every turn once, so the turn index is
+not the needle's depth). Under the `multi-request` protocol the context is compressed once and each
 request starts from that compressed cache; under `multi-turn` the requests come one after another on the same cache,
 each earlier question and its answer kept as a chat turn. A rule that kept only what one question needed fails the
 next one. The sample's own `question`, `answers`, `answer_prefix` and `depth` are its first request's, so the
@@ -11,6 +12,7 @@ request and :func:`requests` turns them into one `Sample` each.
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import replace
 
@@ -36,12 +38,17 @@ def requests(sample: Sample) -> list[Sample]:
 
 
 def _shared(task, tokenizer, n_tokens, seed, rng, header, needles, keys, values, ask, prefix) -> Sample:
-    """A sample whose `len(needles)` needles sit at depths `(i + 0.5) / K`, asked one per request in a seeded order."""
+    """A sample whose `len(needles)` needles sit at depths `(i + 0.5) / K`, asked one per request in the task's order
+    rotated by `seed`."""
     k = len(needles)
     context, n, measured = _assemble(tokenizer, n_tokens, rng, header, needles, [(i + 0.5) / k for i in range(k)])
     for v in values:
         _check_count(context, v, needles[0].count(values[0]))
-    order = rng.sample(range(k), k)
+    # A Latin square over samples: one fixed order of the needles per task, rotated by the seed, so that k
+    # consecutive seeds (`make_samples`' samples) ask every needle position at every turn once: the turn index is
+    # not the needle's depth (a chance order over a few samples would confound them).
+    base = random.Random(f"{task}:order").sample(range(k), k)
+    order = [base[(j + seed) % k] for j in range(k)]
     listed = [{"question": ask(keys[i]), "answers": [values[i]], "answer_prefix": prefix(keys[i]),
                "depth": measured[i], "max_new_tokens": 16, "key": keys[i]} for i in order]
     first = listed[0]
@@ -56,10 +63,11 @@ def shared_niah(tokenizer, n_tokens: int, *, depth: float = 0.5, seed: int = 0) 
 
     Args:
         tokenizer: counts tokens. n_tokens: context length (within 2%). depth: unused (the needles span the context),
-            kept for the tasks' common signature. seed: fixes haystack, keys, numbers and the order they are asked.
+            kept for the tasks' common signature. seed: fixes haystack, keys and numbers; `seed % 4` rotates the
+            order they are asked in.
 
     Returns:
-        A :class:`Sample` with 4 requests in `meta["requests"]` (one number each, asked in a seeded order); its own
+        A :class:`Sample` with 4 requests in `meta["requests"]` (one number each, in the rotated order); its own
         question and answer are the first request's.
     """
     _check_args(n_tokens, depth)
@@ -78,10 +86,11 @@ def shared_passkey(tokenizer, n_tokens: int, *, depth: float = 0.5, seed: int = 
 
     Args:
         tokenizer: counts tokens. n_tokens: context length (within 2%). depth: unused (the needles span the context),
-            kept for the tasks' common signature. seed: fixes haystack, doors, keys and the order they are asked.
+            kept for the tasks' common signature. seed: fixes haystack, doors and keys; `seed % 3` rotates the
+            order they are asked in.
 
     Returns:
-        A :class:`Sample` with 3 requests in `meta["requests"]` (one 5-digit key each, asked in a seeded order); its
+        A :class:`Sample` with 3 requests in `meta["requests"]` (one 5-digit key each, in the rotated order); its
         own question and answer are the first request's.
     """
     _check_args(n_tokens, depth)
