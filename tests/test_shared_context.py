@@ -359,3 +359,19 @@ def test_kvzip_multi_request_covering_budget(tiny_dir, tmp_path):
         assert r["prediction"] == ref[r["turn"]]["prediction"]
         assert r["answer_logprob"] == pytest.approx(ref[r["turn"]]["answer_logprob"], abs=1e-4)
     assert "per request: shared_passkey" in markdown(rows, [])
+
+
+def test_compiled_backend_covering_budget_per_turn(tiny_dir, tmp_path):
+    """Under a compiled forward (aot_eager) the requests' calls (multi-turn's evicting ones of every length included)
+    run compiled, and a covering budget is still the unmodified model on every request."""
+    assert main(["compare", "--model", tiny_dir, "--tasks", "shared_passkey", "--lengths", "300", "--samples", "1",
+                 "--rules", "full,h2o", "--budgets", "4096", "--protocol", "multi-request,multi-turn", "--backend",
+                 "aot_eager", "--max-new-tokens", "3", "--quiet", "--out", str(tmp_path)]) == 0
+    rows = load_rows([tmp_path])
+    ref = {(r["protocol"], r["turn"]): r for r in rows if r["rule"] == "full"}
+    budgeted = [r for r in rows if r["rule"] == "h2o"]
+    assert len(budgeted) == 2 * 3 and all(r["compiled_graphs"] for r in budgeted)
+    for r in budgeted:
+        f = ref[(r["protocol"], r["turn"])]
+        assert r["prediction"] == f["prediction"]
+        assert r["answer_logprob"] == pytest.approx(f["answer_logprob"], abs=1e-4)
