@@ -32,7 +32,7 @@ SMALL = ["--rules", "full,snapkv", "--budgets", "32", "--samples", "1", "--max-n
                                      r"hyperparameters: window, kernel, pooling"),
     (["--param", "h2o.recent_ratio=0.3"], r"h2o is not among the rules run"),
     (["--protocol", "queryaware"], r"--protocol queryaware: unknown protocol 'queryaware' \(did you mean "
-                                   r"'query-aware'\?\); known protocols: query-agnostic, query-aware, streaming$"),
+                                   r"'query-aware'\?\); known protocols: query-agnostic, query-aware, streaming, multi-request, multi-turn$"),
     (["--device", "tpu"], r"--device tpu: unknown device; use one of cpu, cuda, cuda:N"),
     (["--dtype", "float64"], r"--dtype float64: unknown dtype( \(did you mean '\w+'\?\))?; use one of float32, "
                              r"bfloat16, float16"),

@@ -148,3 +148,17 @@ def test_ray_missing_says_how_to_install(tiny_dir, tmp_path, monkeypatch, capsys
 def test_worker_options_need_ray(tiny_dir, tmp_path, capsys):
     assert main(["compare", "--model", tiny_dir, *ARGS, "--out", str(tmp_path), "--workers", "2"]) == 2
     assert "need --ray" in capsys.readouterr().err
+
+
+def test_shared_context_rows_on_ray(tiny_dir, idle_ray, tmp_path):
+    """A shared-context protocol writes one row per request: on Ray too, each equal to the serial run's (the driver
+    counts a unit's rows per request)."""
+    args = ["--tasks", "shared_passkey", "--lengths", "300", "--rules", "full,snapkv", "--budgets", "40",
+            "--protocol", "multi-request,multi-turn", "--samples", "2", "--max-new-tokens", "3", "--quiet"]
+    assert main(["compare", "--model", tiny_dir, *args, "--out", str(tmp_path / "serial")]) == 0
+    assert main(["compare", "--model", tiny_dir, *args, "--out", str(tmp_path / "ray"), "--ray", "--workers", "2"]) == 0
+    serial = {r["key"]: r for r in load_rows([tmp_path / "serial"])}
+    rows = {r["key"]: r for r in load_rows([tmp_path / "ray"])}
+    assert len(serial) == 2 * 2 * 2 * 3  # samples x protocols x (full + snapkv) x requests
+    _assert_same_rows(rows, serial)
+    assert all(rows[k]["turn"] == serial[k]["turn"] for k in rows)

@@ -180,7 +180,7 @@ def test_too_short_common_words(tok):
 def test_task_package_has_one_module_per_family():
     families = {"passkey": "passkey", "niah_single": "niah", "niah_multikey": "niah", "niah_multivalue": "niah",
                 "niah_multiquery": "niah", "variable_tracking": "variable_tracking", "common_words": "common_words",
-                "list_keys": "list_keys"}
+                "list_keys": "list_keys", "shared_niah": "shared", "shared_passkey": "shared"}
     assert {name: fn.__module__.rsplit(".", 1)[1] for name, fn in TASKS.items() if name in OWN_TASKS} == families
     assert load_jsonl.__module__.endswith(".jsonl") and set(T.TASK_FILE_FIELDS) >= {"max_new_tokens", "answer"}
 

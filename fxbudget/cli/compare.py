@@ -75,7 +75,9 @@ def cmd_compare(args) -> int:
         stages.mark("reading the rows")
         print(f"[fxbudget] {stages.line()}; Python's exit follows", file=sys.stderr)
         return 0
-    total, todo = _rows_of_shard(grid, args.shard), sum(len(t) for _, t in plan)
+    from ..harness.grid import plan_rows
+
+    total, todo = _rows_of_shard(grid, args.shard), plan_rows(plan)
     if todo < total:
         print(f"[fxbudget] resuming: {total - todo} of {names.plural(total, 'row')} done (in {runner.out_dir}); "
               f"{todo} to run", file=sys.stderr)
@@ -115,7 +117,9 @@ def _run(args, grid, source, place, samples, runner, plan, stages, total, tok) -
     if args.ray is None:
         runner = _load(args, grid, source, place, samples, tok)
         stages.mark("model load")
-    todo = sum(len(t) for _, t in plan)
+    from ..harness.grid import plan_rows
+
+    todo = plan_rows(plan)
     print(f"[fxbudget] {source.name}: {names.plural(todo, 'row')} to run on {names.plural(len(plan), 'sample')} "
           f"(protocol {','.join(grid.protocols)}, {place.dtype} on {place.device}, "
           f"prefill {'shared per sample' if grid.shares_prefill else 'per rule'}, "
@@ -162,16 +166,18 @@ def _match_names(args) -> None:
 
 def _rows_of_shard(grid, shard) -> int:
     """How many rows this shard of the grid has in all (done or not)."""
-    from ..harness.grid import configs, units
+    from ..harness.grid import configs, plan_rows, units
 
     i, n = shard
-    return len(units(grid)[i::n]) * len(configs(grid))
+    return plan_rows([(u, configs(grid)) for u in units(grid)[i::n]])
 
 
 def _interrupted(args, runner, total: int) -> int:
     """After Ctrl-C: one line saying what is saved and the command that resumes; the exit status 130."""
     try:
-        left = sum(len(t) for _, t in runner.plan())
+        from ..harness.grid import plan_rows
+
+        left = plan_rows(runner.plan())
     except Exception:  # noqa: BLE001  (a file cut mid-row: the rerun repairs it)
         left = total
     command = "fxbudget " + shlex.join(args.argv)

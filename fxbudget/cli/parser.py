@@ -127,7 +127,8 @@ def _task_options(c, d, *, task_files: bool = True) -> None:
                    "that choose with the latest queries (snapkv, tova, pyramidkv, chunkkv, ...) were designed with "
                    "the question there and can score 0 on retrieval without it. query-aware compresses context and "
                    "question together (SnapKV's setting); streaming evicts on every call. Compare rules within one "
-                   "protocol; run both with --protocol query-agnostic,query-aware")
+                   "protocol; run both with --protocol query-agnostic,query-aware. multi-request and multi-turn ask several "
+                   "questions of one compressed context (tasks shared_niah, shared_passkey): one row per request")
 
 
 def _rule_file_option(c) -> None:

@@ -26,6 +26,11 @@ def cmd_search(args) -> int:
     args.protocol = names.protocol_names(args.protocol)
     if len(args.protocol) != 1:
         raise UsageError(f"one --protocol per search, got {','.join(args.protocol)}")
+    from ..harness.grid import MULTI_PROTOCOLS
+
+    if args.protocol[0] in MULTI_PROTOCOLS:
+        raise UsageError(f"--protocol {args.protocol[0]}: a search fits one question per sample; the shared-context "
+                         "protocols are `fxbudget compare`'s (search with query-agnostic, query-aware or streaming)")
     samples = Grid().samples if args.samples is None else args.samples
     config = SearchConfig(model="", tasks=args.tasks, lengths=args.lengths, samples=samples, seed=args.seed,
                           budget=args.budget, protocol=args.protocol[0], trials=args.trials, baselines=args.rules,

@@ -168,8 +168,9 @@ def grid_tokens(grid, plan, samples: dict, sized: list[tuple], max_new_tokens: i
     """(tokens through the model in calls of many tokens, decoding steps at most) of the rows in `plan`: one prefill
     per sample and prefilled sequence when rules share it, else one per row; each row appends its question
     (query-agnostic), scores the gold answer (one call; token by token under a compiled backend) and decodes at most
-    its answer length (fewer where the model stops)."""
-    from ..harness.grid import REFERENCE
+    its answer length (fewer where the model stops); a shared-context configuration does so once per request (the
+    first request's sizes standing for the others)."""
+    from ..harness.grid import REFERENCE, turns
 
     by_sample = {id(sample): (ctx, question, answer) for _, sample, ctx, question, answer in sized}
     prefill = steps = 0
@@ -177,17 +178,20 @@ def grid_tokens(grid, plan, samples: dict, sized: list[tuple], max_new_tokens: i
         sample = samples[unit.task if unit.length is None else (unit.task, unit.length)][unit.index]
         ctx, question, answer = by_sample[id(sample)]
         max_new = max_new_tokens or sample.max_new_tokens
+        asked = {c: turns(unit.task, c[0]) or 1 for c in todo}  # a shared-context protocol: one per request
         for aware in (False, True):
             group = [c for c in todo if (c[0] == "query-aware") == aware]
             budgeted = [c for c in group if c[1] != REFERENCE]
             seq = ctx + question if aware else ctx
             prefill += seq * (1 if grid.shares_prefill and budgeted else len(budgeted))
-            prefill += (0 if aware else question) * len(budgeted)
-        if any(c[1] == REFERENCE for c in todo):
+            prefill += (0 if aware else question) * sum(asked[c] for c in budgeted)
+        references = [c for c in todo if c[1] == REFERENCE]
+        if any(asked[c] == 1 for c in references):
             prefill += ctx + question
+        prefill += sum(ctx + asked[c] * question for c in references if asked[c] > 1)
         stepwise = grid.backend is not None  # a compiled forward scores the answer token by token
-        prefill += len(todo) * (0 if stepwise else answer)
-        steps += len(todo) * (max_new + (answer if stepwise else 0))
+        prefill += sum(asked.values()) * (0 if stepwise else answer)
+        steps += sum(asked.values()) * (max_new + (answer if stepwise else 0))
     return prefill, steps
 
 
@@ -195,7 +199,9 @@ def estimate_line(grid, plan, samples: dict, sized: list[tuple], config, device:
                   max_new_tokens: int | None) -> str:
     """The line printed before a grid starts: its rows, samples, tokens and (on the CPU) an estimated time."""
     prefill, steps = grid_tokens(grid, plan, samples, sized, max_new_tokens)
-    rows = sum(len(t) for _, t in plan)
+    from ..harness.grid import plan_rows
+
+    rows = plan_rows(plan)
     head = (f"{plural(rows, 'row')} on {plural(len(plan), 'sample')}: {_count(prefill)} prompt and answer tokens "
             f"through the model, at most {_count(steps)} decoding steps")
     if device != "cpu":

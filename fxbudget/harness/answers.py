@@ -34,7 +34,8 @@ def mark(score: float | None) -> str:
 
 def _sample_label(row: dict) -> str:
     depth = f", depth {row['depth']:.2f}" if row.get("depth") is not None else ""
-    return f"{row['task']} {row.get('length')} #{row['sample']}{depth}"
+    turn = f" turn {row['turn']}" if row.get("turn") is not None else ""
+    return f"{row['task']} {row.get('length')} #{row['sample']}{turn}{depth}"
 
 
 def answers_tables(rows: list[dict], sort: str = "accuracy") -> str:
@@ -47,7 +48,7 @@ def answers_tables(rows: list[dict], sort: str = "accuracy") -> str:
     has_ref = any(r["rule"] == REFERENCE for r in rows)
     by_key = {(sample_id(r), r["rule"], budget_label(r)): r for r in rows}
     samples = sorted({sample_id(r): r for r in rows}.items(), key=lambda kv: (kv[0][1], str(kv[0][2]), kv[0][3],
-                                                                               kv[0][4]))
+                                                                               kv[0][4], str(kv[0][5:])))
     parts = []
     for b in budgets(rows) or [None]:
         header = ["sample", "expected"] + ([f"{REFERENCE} (unmodified)"] if has_ref else []) + rules

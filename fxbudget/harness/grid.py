@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-from .tasks import TASKS, load_jsonl
+from .tasks import SHARED_TASKS, TASKS, load_jsonl
 
-PROTOCOLS = ("query-agnostic", "query-aware", "streaming")
+PROTOCOLS = ("query-agnostic", "query-aware", "streaming", "multi-request", "multi-turn")
+# The shared-context protocols (`shared_context.py`): several requests over one compressed context, one row per
+# request (`turn`); they run only tasks whose samples ask several questions (`tasks.SHARED_TASKS`).
+MULTI_PROTOCOLS = ("multi-request", "multi-turn")
 REFERENCE = "full"  # the unmodified model
 # How a layer's budget is spread over its KV heads, and the cache layout it needs (ADAKV.md): a head-adaptive rule
 # (`adakv:<rule>`) runs on the pooled layout, and so does every other rule of its run (one kernel per run).
@@ -106,9 +109,11 @@ class Grid:
         # A replay rule (kvzip) runs its own protocol, whose window is the whole replay call: it decides nothing in
         # the other rules' calls, so it is exempt from the shared window (its rows record it).
         replayed = [r for r, rule in made.items() if rule.replay_only]
-        if replayed and self.protocols != ["query-agnostic"]:
+        if replayed and set(self.protocols) - {"query-agnostic", "multi-request"}:
             raise ValueError(f"{', '.join(replayed)} runs its own replay protocol, a query-agnostic one: run it with "
-                             f"--protocol query-agnostic only, got {','.join(self.protocols)}")
+                             f"--protocol query-agnostic (or multi-request: its compressed context answers every "
+                             f"request) only, got {','.join(self.protocols)}")
+        self._check_shared()
         windows = {r: kernel_window(rule) for r, rule in made.items() if r not in replayed}
         if len(set(windows.values())) > 1:
             # The window is a parameter of the shared kernel's measure phase: rules compare only at one window.
@@ -135,6 +140,19 @@ class Grid:
             if not Path(f).is_file():
                 raise ValueError(f"task file {f} does not exist")
             load_jsonl(f)  # every line checked now, before a model loads (raises naming the file and line)
+
+    def _check_shared(self) -> None:
+        """A shared-context protocol needs tasks that ask several questions of one context: refuse the others, and
+        task files (one question per line)."""
+        multi = [p for p in self.protocols if p in MULTI_PROTOCOLS]
+        if not multi:
+            return
+        single = [t for t in self.tasks if t not in SHARED_TASKS]
+        if single or self.task_files:
+            what = f"task {single[0]!r}" if single else f"task file {self.task_files[0]}"
+            raise ValueError(f"--protocol {multi[0]} asks several questions of one context, and {what} asks one per "
+                             f"sample: run it with the tasks that ask several ({', '.join(SHARED_TASKS)}), or "
+                             "another protocol")
 
     def head_pool(self) -> bool:
         """Whether this run's budgeted rules run on the pooled cache layout (`head-pool`): when any of them is
@@ -179,14 +197,37 @@ def configs(grid: Grid) -> list[tuple[str, str, int | str | None]]:
             for b in ([None] if r == REFERENCE else grid.budgets)]
 
 
-def row_key(model_name: str, grid: Grid, unit: Unit, protocol: str, rule: str, budget: int | str | None) -> str:
-    """What identifies a result: completed keys are skipped when a run resumes."""
+def turns(task: str, protocol: str) -> int | None:
+    """How many rows (requests, `turn` 1..k) one configuration writes for a sample of `task` under `protocol`: None
+    (one row, no turn) except for the shared-context protocols."""
+    return SHARED_TASKS[task] if protocol in MULTI_PROTOCOLS else None
+
+
+def plan_rows(plan) -> int:
+    """How many rows a plan (`Runner.plan()`: units and their pending configurations) writes: one per configuration,
+    one per request for a shared-context protocol."""
+    return sum(turns(unit.task, c[0]) or 1 for unit, todo in plan for c in todo)
+
+
+def config_keys(model_name: str, grid: Grid, unit: Unit, protocol: str, rule: str,
+                budget: int | str | None) -> list[str]:
+    """The keys of the rows one configuration writes on `unit` (one per request under a shared-context protocol)."""
+    k = turns(unit.task, protocol)
+    return [row_key(model_name, grid, unit, protocol, rule, budget, turn=t)
+            for t in ([None] if k is None else range(1, k + 1))]
+
+
+def row_key(model_name: str, grid: Grid, unit: Unit, protocol: str, rule: str, budget: int | str | None,
+            turn: int | None = None) -> str:
+    """What identifies a result: completed keys are skipped when a run resumes. `turn`: the request of a
+    shared-context protocol (1..k), None otherwise."""
     params = json.dumps(grid.rule_params.get(rule, {}), sort_keys=True)
     key = "|".join(map(str, (model_name, unit.task, unit.length, unit.index, grid.seed, rule, params, budget,
                              protocol, grid.chunk_size, grid.backend)))
     # A rule runs pooled beside a head-adaptive rule, unpooled otherwise: another kernel, another row. The suffix only
     # on pooled rows keeps the keys of earlier (unpooled) results, so their runs still resume.
-    return key + "|head-pool" if rule != REFERENCE and grid.head_pool() else key
+    key = key + "|head-pool" if rule != REFERENCE and grid.head_pool() else key
+    return key if turn is None else f"{key}|turn{turn}"
 
 
 

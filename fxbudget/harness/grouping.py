@@ -32,8 +32,11 @@ def budgets(rows) -> list:
 
 
 def sample_id(row: dict) -> tuple:
-    """What pairs rows across rules: the same model, task, length, sample index and seed."""
-    return row["model"], row["task"], row.get("length"), row["sample"], row["seed"]
+    """What pairs rows across rules: the same model, task, length, sample index and seed; for a request of a
+    shared-context protocol also the protocol and its `turn` (the unmodified model's turn 2 of multi-turn is not its
+    request 2 of multi-request)."""
+    own = row["model"], row["task"], row.get("length"), row["sample"], row["seed"]
+    return own + (row["protocol"], row["turn"]) if row.get("turn") is not None else own
 
 
 def setting(row: dict) -> str:

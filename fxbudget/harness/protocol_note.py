@@ -22,6 +22,15 @@ _MEANING = {
                    "window (SnapKV's setting)",
     "streaming": "eviction on every call, the question and every decoded token included; memory is the budget "
                  "throughout",
+    "multi-request": "several requests over one context (SCBench's shared context): the context is compressed once, "
+                     "before any question is seen, and every request starts from that same compressed cache (its "
+                     "question and answer appended without eviction, the cache restored after it); one row per "
+                     "request (`turn`)",
+    "multi-turn": "several requests over one context as turns of one chat (SCBench's multi-turn): the context is "
+                  "compressed once, then each turn's call appends the previous turn's gold answer and this turn's "
+                  "question with eviction (the rule sees this question, never a later one), and the answer is "
+                  "generated without eviction; one row per turn (`turn`), a later turn scoring what the earlier "
+                  "compressions kept",
 }
 
 
@@ -48,13 +57,15 @@ def question_rules(rules: list[str], rule_params: dict | None = None) -> list[st
 def run_note(rules: list[str], protocols: list[str], rule_params: dict | None = None) -> str | None:
     """The line to print as a run starts when a rule designed around the question runs without query-aware (None
     otherwise)."""
-    if "query-aware" in protocols:
+    # multi-turn's calls evict with each turn's question in the window: only the protocols that never do are meant
+    blind = [p for p in protocols if p in ("query-agnostic", "streaming", "multi-request")]
+    if "query-aware" in protocols or not blind:
         return None
     names = question_rules(rules, rule_params)
     if not names:
         return None
     these = ", ".join(names)
-    return (f"protocol {','.join(protocols)}: {these} choose{'s' if len(names) == 1 else ''} with the attention of "
+    return (f"protocol {','.join(blind)}: {these} choose{'s' if len(names) == 1 else ''} with the attention of "
             f"the latest queries, which {'its paper fills' if len(names) == 1 else 'their papers fill'} with the "
             "question; here the context is compressed before the question is seen, so expect low scores on retrieval "
             "tasks (a fair comparison without the question, not a broken rule). For their own setting add "

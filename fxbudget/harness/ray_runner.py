@@ -39,7 +39,7 @@ from ..rules import get
 from . import results
 from .malloc import tune_malloc
 from .ray_options import RayOptions
-from .runner import REFERENCE, Grid, Runner, Unit
+from .runner import REFERENCE, Grid, Runner, Unit, plan_rows
 
 log = logging.getLogger("fxbudget")
 
@@ -285,7 +285,7 @@ class RayRunner:
         running: dict = {}  # Ray generator -> _Flight
         restarting: dict = {}  # ref of a dead worker's `info` (Ray runs it once the worker is back) -> worker
         written: list[dict] = []
-        bar = tqdm(total=sum(len(todo) for _, todo in plan), unit="row", disable=not self.writer.progress,
+        bar = tqdm(total=plan_rows(plan), unit="row", disable=not self.writer.progress,
                    dynamic_ncols=True)
         try:
             with self.path.open("a") as f:
@@ -344,8 +344,10 @@ class RayRunner:
     def _write(self, f, flight: _Flight) -> list[dict]:
         """Append a finished unit's rows (all of them, checked) through the crash-safe writer."""
         keys = [row["key"] for row in flight.rows]
-        if len(keys) != len(flight.todo) or len(set(keys)) != len(keys):
-            raise RuntimeError(f"unit {flight.unit} returned {len(keys)} rows for {len(flight.todo)} configurations")
+        expected = plan_rows([(flight.unit, flight.todo)])  # one per request under a shared-context protocol
+        if len(keys) != expected or len(set(keys)) != len(keys):
+            raise RuntimeError(f"unit {flight.unit} returned {len(keys)} rows for {len(flight.todo)} configurations "
+                               f"({expected} rows)")
         for row in flight.rows:
             results.append_row(f, row)
         self.busy.pop(flight.pid, None)

@@ -14,6 +14,7 @@ from .answers import answers_tables
 from .grouping import (METRICS, budget_label, budgets, by, logprob_delta, mean_or_none, metric_values,
                        reference_logprobs, rule_order, sample_id, setting, settings, unequal_samples)
 from .protocol_note import header_note, section_note
+from .report_turns import has_turns, turn_sections
 from .results import read_rows
 from .runner import REFERENCE
 from .stats import leaders, mean_interval, no_interval_reason
@@ -218,7 +219,11 @@ def markdown(rows: list[dict], plots: list[str], sort: str = "accuracy") -> str:
             note = section_note(crs)
             if note:
                 parts += [note, ""]
+            if has_turns(crs):
+                parts += [TURNS_NOTE, ""]
             parts += _section(crs, sort, "all tasks")
+            if has_turns(crs):
+                parts += turn_sections(crs, sort, DETAILS)
             for task, trs in by(crs, "task").items():
                 parts += _section(trs, sort, f"{task} ({_context(trs)})", details=True)
             summary = "expected vs each rule's output (✓ all expected answers found, ✗ none; full: results.jsonl)"
@@ -232,6 +237,11 @@ def markdown(rows: list[dict], plots: list[str], sort: str = "accuracy") -> str:
         parts += ["", "## plots", ""] + [f"![{p}]({p})" for p in plots] + ([""] + [note] if note else [])
     return "\n".join(parts) + "\n"
 
+
+TURNS_NOTE = ("Several requests over one context: one row per request (`turn`). The tables of all tasks and of each "
+              "task pool the requests, each (sample, request) one paired unit (a sample's requests share its "
+              "compressed context, so they are not independent); **per request** gives each turn's accuracy, each "
+              "rule's decay over the turns (paired over samples) and the paired comparisons at each turn.")
 
 # Collapsed in GitHub's view; `markdown="1"` lets the docs site (Python-Markdown's md_in_html) render its tables too.
 DETAILS = '<details markdown="1"><summary>{}</summary>'

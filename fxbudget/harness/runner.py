@@ -48,10 +48,11 @@ from . import results
 from .branch import branch, shared_prefill
 # The grid lives in `grid` (no torch import: the CLI checks it before loading anything); re-exported here, where
 # callers have always found it.
-from .grid import (PROTOCOLS, REFERENCE, Grid, Unit, allocation, budget_fraction, configs, resolve_budget, row_key,
-                   units)
+from .grid import (MULTI_PROTOCOLS, PROTOCOLS, REFERENCE, Grid, Unit, allocation, budget_fraction, config_keys,
+                   configs, plan_rows, resolve_budget, row_key, turns, units)
 from .likelihood import answer_logprobs, finish_prompt, frozen_tokens
 from .measure import Clock, Peak, environment, eos_ids, greedy, kv_bytes
+from . import shared_context
 from .tasks import Sample, answer_ids, chat_ids, load_jsonl, make_samples, score
 
 __all__ = ["PROTOCOLS", "REFERENCE", "Grid", "Runner", "Unit", "budget_fraction", "build_samples", "cache_shapes",
@@ -108,12 +109,25 @@ def cache_shapes(grid: Grid, plan, tokenizer, samples: dict, max_new_tokens: int
         max_new = max_new_tokens or sample.max_new_tokens
         m = answer_ids(tokenizer, sample).shape[1] if grid.likelihood else None
         for protocol in {c[0] for c in todo}:
+            if protocol in MULTI_PROTOCOLS:  # every request's frozen tokens, and its call's length
+                for turn, calls in _turn_calls(tokenizer, sample, protocol, max_new_tokens):
+                    headroom = max(headroom, shared_context.frozen_tokens(protocol, turn, grid.likelihood))
+                    question_bucket = max(question_bucket, calls)
+                continue
             frozen = {"query-agnostic": q + max_new, "query-aware": max_new, "streaming": 0}[protocol]
             if m is not None:
                 frozen = max(frozen, frozen_tokens(protocol, q, m))
             headroom = max(headroom, frozen)
         question_bucket = max(question_bucket, q)
     return math.ceil(headroom / 64) * 64, math.ceil(question_bucket / 16) * 16
+
+
+def _turn_calls(tokenizer, sample, protocol: str, max_new_tokens: int | None):
+    """`(Turn, tokens its call appends)` of each request of a shared-context sample (multi-turn's calls carry the
+    previous turn's gold answer)."""
+    _, ts = shared_context.turns(tokenizer, sample, protocol, max_new_tokens)
+    previous = [0] + [t.answer.shape[1] for t in ts[:-1]]
+    return [(t, t.prompt.shape[1] + (p if protocol == "multi-turn" else 0)) for t, p in zip(ts, previous)]
 
 
 class Runner:
@@ -158,7 +172,8 @@ class Runner:
         done, (i, n) = self.done_keys(), self.shard
         plan = []
         for unit in units(self.grid)[i::n]:
-            todo = [c for c in configs(self.grid) if row_key(self.model_name, self.grid, unit, *c) not in done]
+            todo = [c for c in configs(self.grid)
+                    if not all(k in done for k in config_keys(self.model_name, self.grid, unit, *c))]
             if todo:
                 plan.append((unit, todo))
         return plan
@@ -180,7 +195,7 @@ class Runner:
         plan = self.prepare()
         self.headroom, self.question_bucket = self._shapes(plan)
         self.max_context = self._max_context(plan)
-        bar = tqdm(total=sum(len(todo) for _, todo in plan), unit="row", disable=not self.progress,
+        bar = tqdm(total=plan_rows(plan), unit="row", disable=not self.progress,
                    dynamic_ncols=True)
         rows = []
         try:
@@ -289,6 +304,10 @@ class Runner:
                 shared_s, shared_peak = c.run, peak.read()
                 self.run_s += c.run
             for protocol, rule_name, spec in group:
+                if protocol in MULTI_PROTOCOLS:  # one row per request
+                    yield from self._shared_rows(unit, sample, base, protocol, rule_name, spec, ctx, shared, shared_s,
+                                                 shared_peak)
+                    continue
                 if rule_name == REFERENCE:
                     reference = reference or self._reference(ctx, question, answer, max_new)
                     row = dict(reference)
@@ -397,3 +416,96 @@ class Runner:
                 "compile_s": pre.compile + question_clock.compile + dec.compile + likelihood.pop("compile_s"),
                 **likelihood, "output_ids": ids, "output_tokens": len(ids), **kv_bytes(cache),
                 "peak_mem_bytes": None if before is None else max(before, peak.read())}
+
+    # --- the shared-context protocols (`shared_context.py`): one row per request ----------------------------------
+    def _rule(self, rule_name: str):
+        """The rule instance of the run (kvzip: with the template header it does not replay)."""
+        g = self.grid
+        rule = get(rule_name, **g.rule_params.get(rule_name, {}))
+        if rule.replay_only and "prefix_length" not in g.rule_params.get(rule_name, {}):
+            rule = get(rule_name, **g.rule_params.get(rule_name, {}), prefix_length=template_parts(self.tok)[0])
+        return rule
+
+    def _shared_rows(self, unit: Unit, sample, base: dict, protocol: str, rule_name: str, spec, ctx, shared,
+                     shared_s, shared_peak) -> Iterator[dict]:
+        """The rows of one configuration under `multi-request` or `multi-turn`: the context compressed once (the
+        shared prefill branched, or the rule's own prefill; the unmodified model's own cache for the reference), then
+        every request on it (`shared_context.RUN`). `prefill_s` is the context's, the same on every request's row;
+        `decode_s` is the request's call and answer."""
+        g, model = self.grid, self.model
+        _, turns = shared_context.turns(self.tok, sample, protocol, self.max_new)
+        for t in turns:
+            t.prompt, t.answer = t.prompt.to(ctx.device), t.answer.to(ctx.device)
+        run = shared_context.RUN[protocol]
+        peak = Peak(ctx.device)
+        if rule_name == REFERENCE:
+            with Clock() as pre:
+                cache = output_cache(model(input_ids=ctx, use_cache=True, logits_to_keep=1))
+            self._timed(pre)
+            config = {"rule": REFERENCE, "rule_params": {}, "budget": None, "window": None,
+                      "kernel_fingerprint": None, "fingerprint_cached": None, "allocation": None, "layout": None,
+                      "shared_prefill": False, "prefill_s": pre.run, "branch_s": None}
+            results = run(model, cache, turns, eos=self.eos, likelihood=g.likelihood)
+            restore = None
+        else:
+            budget = resolve_budget(spec, ctx.shape[1])
+            rule = self._rule(rule_name)
+            fingerprint = self._fingerprint(rule)
+            forward = self._forward(rule, budget)
+            shared = None if rule.replay_only else shared
+            done = None
+            with Clock() as pre:
+                if rule.replay_only:  # kvzip (multi-request only, checked by the grid): its replay compresses
+                    slots = max(self.max_context - budget, self.headroom)
+                    ids = replay_ids(self.tok, ctx, prefix_length=rule.prefix_length)
+                    done = compress(model, ctx, ids, clock=Clock,
+                                    cache=model.forward.new_cache(ctx.shape[0], headroom=slots))
+                    cache = done.cache
+                else:
+                    cache = model.forward.new_cache(ctx.shape[0], prompt=ctx.shape[1])
+                    if shared is not None:
+                        branch(shared, cache, rule)
+                    else:
+                        model(input_ids=ctx, cache=cache, logits_to_keep=1)
+            self._timed(pre)
+            config = {"rule": rule_name, "rule_params": rule.params(), "budget": budget, "window": kernel_window(rule),
+                      "allocation": allocation(rule), "layout": self.layout,
+                      "layer_budgets": cache.layer_budgets if len(set(cache.layer_budgets)) > 1 else None,
+                      "headroom": self.headroom, "kernel_fingerprint": fingerprint,
+                      "fingerprint_cached": self.fingerprint_cached.get(rule.name),
+                      "shared_prefill": shared is not None,
+                      "prefill_s": pre.run + (shared_s or 0.0), "branch_s": pre.run if shared is not None else None,
+                      "replay_s": done and done.replay_s, "replay_tokens": done and done.replay_tokens}
+            results = run(model, cache, turns, eos=self.eos, likelihood=g.likelihood, stepwise=g.backend is not None)
+            restore = model.forward.restore
+        tokens = ctx.shape[1]
+        try:
+            for turn, res in zip(turns, results):
+                # the tokens this request's answer follows: the context and its question (multi-request), the whole
+                # conversation so far (multi-turn)
+                tokens = (tokens if protocol == "multi-turn" else ctx.shape[1]) + res.appended_tokens
+                self.run_s += res.question_s + res.decode_s + (res.likelihood_s or 0.0)
+                self.compile_s += res.compile_s
+                lp = res.logprobs
+                r = turn.sample
+                prediction = self.tok.decode(res.output_ids, skip_special_tokens=True).strip()
+                row = {**config, "compile_s": (pre.compile if res.turn == 1 else 0.0) + res.compile_s,
+                       "compiled_graphs": None, "decode_s": res.question_s + res.decode_s,
+                       "answer_logprob": None if lp is None else float(lp.sum()),
+                       "answer_logprob_mean": None if lp is None else float(lp.mean()),
+                       "likelihood_s": res.likelihood_s, "output_tokens": len(res.output_ids), **res.kv,
+                       "peak_mem_bytes": peak.read(),
+                       "shared_prefill_peak_mem_bytes": shared_peak if config["shared_prefill"] else None}
+                if rule_name != REFERENCE and g.backend is not None:
+                    row["compiled_graphs"] = len(forward.graphs) + len(self._frozen_for(forward)[1])
+                row.update(base, protocol=protocol, turn=res.turn, turns=len(turns),
+                           prompt_tokens=tokens, question_tokens=res.appended_tokens,
+                           answer_tokens=turn.answer.shape[1] if g.likelihood else None, answers=r.answers,
+                           depth=r.depth, max_new_tokens=turn.max_new,
+                           budget_fraction=None if spec is None else budget_fraction(spec), prediction=prediction,
+                           score=score(r, prediction),
+                           key=row_key(self.model_name, g, unit, protocol, rule_name, spec, turn=res.turn))
+                yield row
+        finally:
+            if restore is not None:
+                restore()

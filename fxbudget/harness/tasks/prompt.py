@@ -67,3 +67,25 @@ def answer_text(tokenizer, sample: Sample) -> str:
 def answer_ids(tokenizer, sample: Sample):
     """`[1, m]` token ids of :func:`answer_text` (tokenized on its own, like the question after the context)."""
     return tokenizer(answer_text(tokenizer, sample), return_tensors="pt", add_special_tokens=False).input_ids
+
+
+def followup_ids(tokenizer, sample: Sample):
+    """`[1, k]` ids of a later turn of a conversation about one context (the `multi-turn` protocol): what follows the
+    previous turn's answer (:func:`answer_ids`) when `sample.question` is asked next: the end of that assistant turn,
+    the user turn holding the question, the generation prompt, then ``sample.answer_prefix``.
+
+    With a chat template, read off the template applied to ``[user, assistant, user]`` around markers (as
+    :func:`chat_ids` reads the first turn); without one, ``separator + question + plain_suffix + answer_prefix``
+    (trailing spaces dropped), the first turn's form. The first turn's ids are :func:`chat_ids`' second part.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        marks = ["@" * 40 + str(i) for i in range(3)]  # no template writes these
+        text = tokenizer.apply_chat_template([{"role": "user", "content": marks[0]},
+                                              {"role": "assistant", "content": marks[1]},
+                                              {"role": "user", "content": marks[2]}],
+                                             tokenize=False, add_generation_prompt=True)
+        close, tail = text.split(marks[1])[1].split(marks[2])
+        turn = close + sample.question + tail + sample.answer_prefix
+    else:
+        turn = (sample.separator + sample.question + sample.plain_suffix + sample.answer_prefix).rstrip(" ")
+    return tokenizer(turn, return_tensors="pt", add_special_tokens=False).input_ids
