@@ -54,8 +54,9 @@ def finish_prompt(model: nn.Module, cache, last_logits: Tensor, question: Tensor
 
 
 @contextlib.contextmanager
-def _scratch(cache):
-    """`cache` to run on, left as it was afterwards: a `BudgetCache` is restored in place, others are copied."""
+def scratch(cache):
+    """`cache` to run on, left as it was afterwards: a `BudgetCache` is put back in place, bit-identical
+    (`snapshot` / `restore`: a compiled forward keeps its inputs); any other cache is deep-copied."""
     if not isinstance(cache, BudgetCache):
         yield copy.deepcopy(cache)
         return
@@ -94,7 +95,7 @@ def answer_logprobs(model: nn.Module, cache, last_logits: Tensor, answer: Tensor
     logits = last_logits[:, None].float()
     if m == 1:
         return _logprobs(logits, answer)
-    with torch.no_grad(), _scratch(cache) as cache:
+    with torch.no_grad(), scratch(cache) as cache:
         frozen = cache.frozen if hasattr(cache, "frozen") and not evict else contextlib.nullcontext
         with frozen():
             if evict or stepwise:  # fresh [[id]] tensors, as decoding feeds: a strided view would recompile

@@ -20,7 +20,6 @@ reproduces it. Both generators also serve any cache of the fxbudget-compiled mod
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -29,7 +28,7 @@ from torch import Tensor, nn
 
 from ..cache import BudgetCache
 from ..cache_arg import cache_kwargs
-from .likelihood import answer_logprobs
+from .likelihood import answer_logprobs, scratch
 from .measure import Clock, greedy, kv_bytes
 from .tasks import Sample, answer_ids, chat_ids, followup_ids, requests
 
@@ -96,20 +95,6 @@ def frozen_tokens(protocol: str, turn: Turn, likelihood: bool) -> int:
     return answer + (turn.prompt.shape[1] if protocol == "multi-request" else 0)
 
 
-@contextlib.contextmanager
-def fork(cache):
-    """A cache to run on, `cache` left as it was afterwards: a `BudgetCache` is put back in place, bit-identical
-    (`snapshot` / `restore`: a compiled forward keeps its inputs); any other cache is deep-copied."""
-    if not isinstance(cache, BudgetCache):
-        yield copy.deepcopy(cache)
-        return
-    saved = cache.snapshot()
-    try:
-        yield cache
-    finally:
-        cache.restore(saved)
-
-
 def _frozen(cache):
     return cache.frozen() if isinstance(cache, BudgetCache) else contextlib.nullcontext()
 
@@ -123,15 +108,15 @@ def append(model: nn.Module, cache, ids: Tensor, *, frozen: bool) -> Tensor:
 
 
 def _answer(model, cache, logits, turn: Turn, eos, likelihood: bool, stepwise: bool):
-    """The turn's likelihood (cache left as it was) and its greedy answer (eviction frozen, on a fork: the cache is
-    as before the decode afterwards)."""
+    """The turn's likelihood (cache left as it was) and its greedy answer (eviction frozen, on a scratch cache: the
+    cache is as before the decode afterwards)."""
     lp, lik = None, None
     if likelihood:
         with Clock() as lik:
             lp = answer_logprobs(model, cache, logits, turn.answer, stepwise=stepwise)
-    with fork(cache) as scratch, Clock() as dec:
-        with _frozen(scratch):
-            ids, after = greedy(model, scratch, logits, turn.max_new, eos)
+    with scratch(cache) as work, Clock() as dec:
+        with _frozen(work):
+            ids, after = greedy(model, work, logits, turn.max_new, eos)
         kv = kv_bytes(after)
     return lp, lik, ids, dec, kv
 
@@ -147,7 +132,7 @@ def multi_request(model: nn.Module, cache, turns: list[Turn], *, eos: set[int], 
         stepwise: the likelihood token by token (a compiled forward's decode graph).
     """
     for t, turn in enumerate(turns, 1):
-        with fork(cache) as c:
+        with scratch(cache) as c:
             with Clock() as q:
                 logits = append(model, c, turn.prompt, frozen=True)
             lp, lik, ids, dec, kv = _answer(model, c, logits, turn, eos, likelihood, stepwise)

@@ -3,7 +3,7 @@
 - `prefill`: a left-padded batch of prompts through the budget (eviction on; one call, or `chunk_size` chunks).
 - `score`: teacher-forced log-probabilities of continuations from the state after a prefill: the tokens after the
   prefill go in with eviction frozen in one call (query-aware, query-agnostic), or one token per call with eviction
-  (streaming); the cache is put back afterwards (`likelihood._scratch`), so several continuations of one context
+  (streaming); the cache is put back afterwards (`likelihood.scratch`), so several continuations of one context
   share its prefill.
 - `generate`: greedy decoding after a prefill, each row first fed its forced tokens (the question, query-agnostic),
   eviction frozen (query-aware, query-agnostic) or on (streaming).
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ..api import compile as fx_compile
-from ..harness.likelihood import _scratch
+from ..harness.likelihood import scratch
 from ..harness.runner import resolve_budget
 from .options import Options
 
@@ -104,7 +104,7 @@ class Budgeted:
         """
         width = max(len(f) for f in feeds)
         pieces = [last_logits[:, None].float()]
-        with _scratch(cache) as c:
+        with scratch(cache) as c:
             if width:
                 ids = torch.tensor([f + [self.pad] * (width - len(f)) for f in feeds], device=self.device)
                 if evict:
