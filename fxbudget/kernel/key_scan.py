@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._higher_order_ops.scan import scan_op
 
+from .attention import _heads_matmul
+
 # Key tiles hold at least this many new tokens (whole query blocks): below it, the gathered queries and the partial
 # outputs of a tile ([rows, head dim] each) outweigh its logits ([rows, tile]).
 TILE_KEYS = 64
@@ -96,14 +98,6 @@ def fold_scan(blk, queries: Tensor, qpos: Tensor, weights: Tensor, R: int):
     blocks = torch.cat([ys[:, 0], ys[:, 1].flip(0)])
     out = blocks.permute(1, 2, 3, 0, 4, 5).reshape(b, h, g, N, dv)[:, :, :, :n]
     return out, sig_s, sig_n[..., :n]
-
-
-def _heads_matmul(a: Tensor, m: Tensor) -> Tensor:
-    # `attention._heads_matmul` (not imported: measure imports this module's caller): `m` may have one head (the pool).
-    b, h = a.shape[:2]
-    if m.shape[1] == h:
-        return a @ m
-    return (a.reshape(b, 1, h * a.shape[2], a.shape[-1]) @ m).view(*a.shape[:-1], m.shape[-1])
 
 
 def _fold_body(scale: float, sliding: int, b: int, h: int, g: int, R: int, S: int, nt: int, c: int):
