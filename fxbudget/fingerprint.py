@@ -17,15 +17,15 @@ from .forward import ATTN_IMPLEMENTATION, BudgetForward
 from .kernel import DEFAULT_BLOCK, check_block
 from .model_cache import model_cache
 from .passes.sdpa import INTS_KEY, REGION_KEY
-from .regions import whole_model_forward
+from .regions import compiled_forward, whole_model_forward
 from .rules import Rule
 
 # What the fingerprint is traced on, whatever the caller inspects: an 8-token call of zeros, with a query block of
 # 4 (so the measure phase's loop over blocks is in it), then one decode step.
 PROBE_TOKENS = 8
 PROBE_BLOCK = 4
-FINGERPRINT_COVERS = (f"one {PROBE_TOKENS}-token call (query block {PROBE_BLOCK}) and one decode step, every layer, "
-                      "the rule's ops masked; budget-derived sizes normalized")
+FINGERPRINT_COVERS = (f"one {PROBE_TOKENS}-token call (query block {PROBE_BLOCK}) and one decode step, every layer's "
+                      "compiled region, the rule's ops masked; budget-derived sizes normalized")
 
 
 @contextlib.contextmanager
@@ -43,21 +43,46 @@ def _maskless_attention(model):
 
 
 def captured_graphs(model, input_ids, rule, budget, cache, rule_params, *, block: int | None = DEFAULT_BLOCK,
-                    decode: bool = False, head_pool: bool | None = None) -> list[fx.GraphModule]:
-    """The rewritten graphs of one forward on `input_ids` (and, with `decode`, of one more token after it), on
-    `cache` or a fresh one in the layout `head_pool` (`fxbudget.compile`'s)."""
+                    head_pool: bool | None = None) -> list[fx.GraphModule]:
+    """The rewritten graph of one forward on `input_ids`, every layer in one graph (what `inspect` reports per
+    layer), on `cache` or a fresh one in the layout `head_pool` (`fxbudget.compile`'s)."""
     check_block(block)
     graphs: list[fx.GraphModule] = []
     fwd = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
     backend = make_backend(rule, inner="eager", on_graph=graphs.append, block=block, **rule_params)
     if cache is None:
         cache = model_cache(model, backend.rule, budget, input_ids.shape[0], head_pool=head_pool)
-    run = whole_model_forward(fwd, backend)  # every layer in one graph: what `inspect` reports per layer
+    run = whole_model_forward(fwd, backend)
     with torch.no_grad(), _maskless_attention(model):
         run(input_ids=input_ids, use_cache=True, **cache_kwargs(fwd, cache))
-        if decode:
-            run(input_ids=input_ids[:, -1:], use_cache=True, **cache_kwargs(fwd, cache))
     return graphs
+
+
+def layer_graphs(model, input_ids, rule, budget, cache, rule_params, *, block: int,
+                 head_pool: bool | None) -> list[fx.GraphModule]:
+    """What the fingerprint hashes: for a call on `input_ids` and one decode step after it, each decoder layer's
+    rewritten graph in layer order, as `fxbudget.compile` runs them (one compiled region per layer configuration,
+    so layers of one configuration list the same graph, traced once: a 24-layer model costs two Dynamo traces of one
+    layer, not of the whole model). A model without a list of decoder layers: its whole-model graph per call."""
+    check_block(block)
+    fwd = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
+    per_layer: list[fx.GraphModule] = []
+    whole: list[fx.GraphModule] = []
+    latest: dict[tuple, fx.GraphModule] = {}
+
+    def on_layer(key):  # called after each layer's region ran; a graph compiled during it belongs to its key
+        if whole:
+            latest[key] = whole.pop()
+        per_layer.append(latest[key])
+
+    backend = make_backend(rule, inner="eager", on_graph=whole.append, block=block, **rule_params)
+    if cache is None:
+        cache = model_cache(model, backend.rule, budget, input_ids.shape[0], head_pool=head_pool)
+    run = compiled_forward(model, fwd, backend, on_layer)
+    with torch.no_grad(), _maskless_attention(model):
+        run(input_ids=input_ids, use_cache=True, **cache_kwargs(fwd, cache))
+        run(input_ids=input_ids[:, -1:], use_cache=True, **cache_kwargs(fwd, cache))
+    return per_layer or whole
 
 
 def inspect(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "snapkv", budget: int = 1024,
@@ -99,8 +124,9 @@ def _node_key(node: fx.Node, names: dict[fx.Node, str]) -> str:
 
 
 def graph_fingerprint(graphs: list[fx.GraphModule]) -> str:
-    """sha256 of the graphs' ops, their order, data flow and arguments, each run of rule-region ops collapsed into
-    one `<rule>` token.
+    """sha256 over the graphs in order, each hashed once (a graph listed again, as layers sharing a compiled region
+    list it, adds its digest again): their ops, order, data flow and arguments, each run of rule-region ops collapsed
+    into one `<rule>` token.
 
     Integer arguments are hashed, with one normalization: in the spliced kernel (`measure` and `evict`), an int that
     grows with the layer's budget is hashed as `a*S+b` (S = the layer's slots). The pass finds them by tracing each
@@ -111,9 +137,13 @@ def graph_fingerprint(graphs: list[fx.GraphModule]) -> str:
     observation window, the head sizes, dims. Fingerprints therefore compare rules at one input length and one
     window (`kernel_fingerprint` fixes the length). Two layers whose budgets sit on different sides of the call's
     length hash differently: `evict` writes `min(n, S)` rows."""
-    h = hashlib.sha256()
+    h, digests = hashlib.sha256(), {}
     for gm in graphs:
-        _hash_graph(h, gm)
+        if id(gm) not in digests:
+            one = hashlib.sha256()
+            _hash_graph(one, gm)
+            digests[id(gm)] = one.digest()
+        h.update(digests[id(gm)])
     return h.hexdigest()
 
 
@@ -170,5 +200,5 @@ def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor | None = None, 
     if input_ids is None:
         input_ids, block = probe_ids(model), PROBE_BLOCK if block is None else block
     block = max(2, (input_ids.shape[1] + 1) // 2) if block is None else block
-    return graph_fingerprint(captured_graphs(model, input_ids, rule, budget, cache, rule_params, block=block,
-                                             decode=True, head_pool=head_pool))
+    return graph_fingerprint(layer_graphs(model, input_ids, rule, budget, cache, rule_params, block=block,
+                                          head_pool=head_pool))

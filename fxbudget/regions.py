@@ -128,12 +128,17 @@ def _output_collector():
 class CompiledLayers:
     """Decoder layers whose forwards run compiled regions while `installed()`; one code object per configuration."""
 
-    def __init__(self, layers: list[nn.Module], backend):
-        self.layers, self.backend = layers, backend
+    def __init__(self, layers: list[nn.Module], backend, on_layer: Callable[[tuple], None] | None = None):
+        self.layers, self.backend, self.on_layer = layers, backend, on_layer
         self._regions: dict[tuple, Callable] = {}
 
+    @staticmethod
+    def key(layer: nn.Module, cache_layer: BudgetLayer) -> tuple:
+        """A layer's configuration: layers with equal keys share one code object, hence their graphs."""
+        return (type(layer), cache_layer.budget, cache_layer.sliding)
+
     def region(self, layer: nn.Module, cache_layer: BudgetLayer) -> Callable:
-        key = (type(layer), cache_layer.budget, cache_layer.sliding)
+        key = self.key(layer, cache_layer)
         if key not in self._regions:
             self._regions[key] = _compile(_fresh(_region, "fxbudget_layer"), self.backend)
         return self._regions[key]
@@ -147,7 +152,10 @@ class CompiledLayers:
                                    f"argument ({' or '.join(_CACHE_KWARGS)}); it cannot be compiled per layer")
             cache_layer = kwargs[name].layers[i]
             with _collector_readable():
-                return self.region(layer, cache_layer)(layer, args, {**kwargs, name: LayerCacheView(cache_layer)})
+                out = self.region(layer, cache_layer)(layer, args, {**kwargs, name: LayerCacheView(cache_layer)})
+            if self.on_layer is not None:
+                self.on_layer(self.key(layer, cache_layer))
+            return out
 
         return forward
 
@@ -163,16 +171,18 @@ class CompiledLayers:
                 del layer.forward
 
 
-def compiled_forward(model: nn.Module, forward: Callable, backend) -> Callable[..., Any]:
+def compiled_forward(model: nn.Module, forward: Callable, backend,
+                     on_layer: Callable[[tuple], None] | None = None) -> Callable[..., Any]:
     """`forward(**kwargs)` (the model's unmodified forward) with its attention compiled by `backend`.
 
     Per-layer regions when the model has a list of decoder layers (see the module docstring), else one whole-model
-    graph. Each call returns a runner with its own Dynamo caches.
+    graph. Each call returns a runner with its own Dynamo caches. `on_layer(key)` is called after each decoder
+    layer's region ran (`CompiledLayers.key`; never on the whole-model path).
     """
     layers = decoder_layers(model)
     if layers is None or any("forward" in vars(layer) for layer in layers):
         return whole_model_forward(forward, backend)
-    compiled = CompiledLayers(layers, backend)
+    compiled = CompiledLayers(layers, backend, on_layer)
 
     def run(**kwargs):
         with compiled.installed(), _strict():
