@@ -73,3 +73,18 @@ def test_short_call_on_a_filled_cache_scores_as_eager():
     assert (logits - ref_logits).abs().max().item() <= 1e-4
     for a, b in zip(pos, ref_pos):
         assert torch.equal(a.sort(-1).values, b.sort(-1).values)
+
+
+def test_chunked_generate_on_two_prompts_compiles_two_graphs():
+    """Issue 30's case, shrunk: `chunk_size` and `generate` on two prompts whose last chunks are shorter than
+    `chunk_size` (70 = 32 + 32 + 6, 55 = 32 + 23): every chunk runs at `chunk_size` and every decode step at one
+    token, so the whole session compiles two graphs (benchmarks/chunked_compile.py times the full-size case)."""
+    model = tiny_model("qwen2")
+    m = fxbudget.compile(fresh(model), rule="snapkv", budget=32, chunk_size=32, backend="aot_eager")
+    ref = fxbudget.compile(fresh(model), rule="snapkv", budget=32, chunk_size=32, backend=None)
+    for ids in _prompts((70, 55)):
+        got, want = _generate(m, ids), _generate(ref, ids)
+        assert torch.equal(got.sequences, want.sequences), ids.shape[1]
+    lengths = sorted(next(n for n in gm.graph.nodes if n.op == "placeholder").meta["example_value"].shape[1]
+                     for gm in m.forward.graphs)
+    assert lengths == [1, 32]
