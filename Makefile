@@ -10,9 +10,10 @@ TORCH_VERSION ?= 2.13.0
 # CPU-only machine whose pip would otherwise fetch the CUDA build.
 TORCH_PIP_ARGS ?=
 export OMP_NUM_THREADS ?= 1
-# pytest-xdist workers; one test file stays on one worker (module fixtures are built once).
+# pytest-xdist workers; one test file stays on one worker (module fixtures are built once). The 30 slowest tests are
+# listed at the end (what CI time goes to).
 TEST_WORKERS ?= 2
-PYTEST := -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+PYTEST := -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=30
 # The newest-dependency venvs install only [test]: lm-eval's tests (none in the `newest` or `inductor` subsets) need
 # the [lmeval] extra, and pytest would fail collecting them there before deselecting them.
 NEWEST_PYTEST := $(PYTEST) --ignore=tests/test_lmeval.py
@@ -41,8 +42,12 @@ $(VENV)/.installed-ray: $(VENV)/.installed
 
 install: $(VENV)/.installed
 
+# The demo runs with torch's own thread count (every core), not the tests' one thread per worker, unless
+# OMP_NUM_THREADS is set when make is called.
+DEMO_ENV := $(if $(filter file,$(origin OMP_NUM_THREADS)),env -u OMP_NUM_THREADS,)
+
 demo: install
-	$(BIN)/python -m fxbudget.demo
+	$(DEMO_ENV) $(BIN)/python -m fxbudget.demo
 
 test: $(VENV)/.installed-ray
 	$(BIN)/python $(PYTEST)

@@ -76,7 +76,9 @@ def run_demo(out: Path, extra: list[str], env: dict[str, str] | None = None) -> 
                        env={**fresh_env, **(env or {})})
         wall_s = round(time.perf_counter() - t, 1)
         shutil.copytree(clone / "runs" / "demo", out)
-    return {**env_info("cpu"), "command": " ".join(["OMP_NUM_THREADS=1 python -m fxbudget.demo", *extra]),
+    threads = os.environ.get("OMP_NUM_THREADS")
+    return {**env_info("cpu"), "command": " ".join([*([f"OMP_NUM_THREADS={threads}"] if threads else []),
+                                                    "python -m fxbudget.demo", *extra]),
             "clone": head, "fxbudget_cache": "empty", "wall_s": wall_s, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
             "load_before": load_before, "load_after": load_str()}
 

@@ -9,7 +9,8 @@ rule never sees the question) and query-aware (it does; SnapKV's setting). Every
 log-likelihood. Why these budgets and samples: docs/compare.md, "make demo" (at 12.5-25% the two protocols rank the rules
 differently on this model; eight paired samples per cell are the fewest at which a paired test over five rules can
 separate two of them: 2/2^8 x 4 rivals < 0.05). One shared prefill per protocol and sample, the cache branched per
-rule and budget. Sized for 15 minutes on an idle 2-core CPU; rerunning resumes (completed rows are skipped). Results:
+rule and budget. About 8 minutes on an idle 2-core CPU with both cores (`make demo`: torch's own thread count),
+11 with one thread; rerunning resumes (completed rows are skipped). Results:
 runs/demo/.
 """
 
