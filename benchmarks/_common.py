@@ -7,7 +7,7 @@ Generic on purpose (no fxbudget imports at module level), so every benchmark scr
 `benchmarks/` is not a package: scripts run as `python benchmarks/<name>.py`, so this module is importable as
 `_common` from them (their own directory is on `sys.path`). Other callers can `sys.path.insert(0, "benchmarks")`.
 
-Stable API (do not rename): setup_threads, tune_malloc, emit, env_info, header_lines, command_line, load_str, sync, timed,
+Stable API (do not rename): setup_threads, tune_malloc, bench_model, emit, env_info, header_lines, command_line, load_str, sync, timed,
 interleaved, median, median_us, quartiles, paired_ratio, verdict, fmt_ratio, analysis_link, md_table, write_md, ROOT.
 
 Generated reports hold only what their script computed; analysis lives beside them in a hand-written
@@ -419,3 +419,19 @@ class LayerCase:
 
         self._first(f"static_{tokens}", step)
         return step
+
+
+def bench_model(quick: bool):
+    """A benchmark's model: the embedded one (24 layers), or with `quick` a tiny random Qwen2 (4 layers, seeded) for
+    smoke runs."""
+    if not quick:
+        from fxbudget.models import load_default
+
+        return load_default(progress=False)[0]
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        attn_implementation="sdpa")).eval()

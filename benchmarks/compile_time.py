@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from _common import ROOT, emit, header_lines, load_str, md_table, setup_threads, sync, tune_malloc
+from _common import ROOT, bench_model, emit, header_lines, load_str, md_table, setup_threads, sync, tune_malloc
 
 
 def _cpu() -> float:
@@ -76,17 +76,7 @@ def _child(a) -> dict:
 
     setup_threads(1)
     tune_malloc()
-    if a.quick:
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                             attn_implementation="sdpa")).eval()
-    else:
-        from fxbudget.models import load_default
-
-        model, _ = load_default(progress=False)
+    model = bench_model(a.quick)
     model = model.to(a.device)
     ids = torch.randint(0, 500, (1, 2 * a.chunk), generator=torch.Generator().manual_seed(0)).to(a.device)
     m = fxbudget.compile(model, rule=a.rule, budget=a.budget, chunk_size=a.chunk, backend="inductor")
