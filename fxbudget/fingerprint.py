@@ -42,16 +42,23 @@ def _maskless_attention(model):
         model.set_attn_implementation(impl)
 
 
+def _traced(model, input_ids, rule, budget, cache, rule_params, block, head_pool, on_graph):
+    """What both tracers run: the model's own forward, the eager-inner fxbudget backend calling `on_graph`, and
+    `cache` or a fresh one in the layout `head_pool`."""
+    check_block(block)
+    fwd = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
+    backend = make_backend(rule, inner="eager", on_graph=on_graph, block=block, **rule_params)
+    if cache is None:
+        cache = model_cache(model, backend.rule, budget, input_ids.shape[0], head_pool=head_pool)
+    return fwd, backend, cache
+
+
 def captured_graphs(model, input_ids, rule, budget, cache, rule_params, *, block: int | None = DEFAULT_BLOCK,
                     head_pool: bool | None = None) -> list[fx.GraphModule]:
     """The rewritten graph of one forward on `input_ids`, every layer in one graph (what `inspect` reports per
     layer), on `cache` or a fresh one in the layout `head_pool` (`fxbudget.compile`'s)."""
-    check_block(block)
     graphs: list[fx.GraphModule] = []
-    fwd = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
-    backend = make_backend(rule, inner="eager", on_graph=graphs.append, block=block, **rule_params)
-    if cache is None:
-        cache = model_cache(model, backend.rule, budget, input_ids.shape[0], head_pool=head_pool)
+    fwd, backend, cache = _traced(model, input_ids, rule, budget, cache, rule_params, block, head_pool, graphs.append)
     run = whole_model_forward(fwd, backend)
     with torch.no_grad(), _maskless_attention(model):
         run(input_ids=input_ids, use_cache=True, **cache_kwargs(fwd, cache))
@@ -64,8 +71,6 @@ def layer_graphs(model, input_ids, rule, budget, cache, rule_params, *, block: i
     rewritten graph in layer order, as `fxbudget.compile` runs them (one compiled region per layer configuration,
     so layers of one configuration list the same graph, traced once: a 24-layer model costs two Dynamo traces of one
     layer, not of the whole model). A model without a list of decoder layers: its whole-model graph per call."""
-    check_block(block)
-    fwd = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
     per_layer: list[fx.GraphModule] = []
     whole: list[fx.GraphModule] = []
     latest: dict[tuple, fx.GraphModule] = {}
@@ -75,9 +80,7 @@ def layer_graphs(model, input_ids, rule, budget, cache, rule_params, *, block: i
             latest[key] = whole.pop()
         per_layer.append(latest[key])
 
-    backend = make_backend(rule, inner="eager", on_graph=whole.append, block=block, **rule_params)
-    if cache is None:
-        cache = model_cache(model, backend.rule, budget, input_ids.shape[0], head_pool=head_pool)
+    fwd, backend, cache = _traced(model, input_ids, rule, budget, cache, rule_params, block, head_pool, whole.append)
     run = compiled_forward(model, fwd, backend, on_layer)
     with torch.no_grad(), _maskless_attention(model):
         run(input_ids=input_ids, use_cache=True, **cache_kwargs(fwd, cache))
