@@ -8,8 +8,10 @@ window is counted per row over real tokens (`Signals.window`), so a padded call 
 
 Bound: calls of 2 to 128K (2**17) tokens fall into `len(bucket_set(2**17)) = 48` buckets (16, 32, 48, 64, then four
 per doubling); a decode step (one token) is one more graph. So one compiled region serves any sequence of lengths
-up to 128K with at most 49 graphs per eviction mode (frozen calls keep every slot: another 49 at most), and at most
-`MAX_GRAPHS_PER_REGION` for lengths up to 2**20, which is the recompile limit fxbudget runs its regions under.
+up to 128K with at most 49 graphs per eviction mode (frozen calls keep every slot: another 49 at most), plus one per
+bucket longer than the slots for a call on an empty cache (it skips the slots, `CallPositions.empty`; never frozen:
+such a call does not fit), and at most `MAX_GRAPHS_PER_REGION` for lengths up to 2**20, which is the recompile limit
+fxbudget runs its regions under.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ def bucket_set(longest: int, buckets: tuple[int, ...] = ()) -> list[int]:
     return sorted(out)
 
 
-# Per compiled region: every bucket up to MAX_LENGTH, plus the decode step, in both eviction modes (frozen or not).
-MAX_GRAPHS_PER_REGION = 2 * (len(bucket_set(MAX_LENGTH)) + 1)
+# Per compiled region: every bucket up to MAX_LENGTH, plus the decode step, in both eviction modes (frozen or not),
+# and every bucket once more on an empty cache.
+MAX_GRAPHS_PER_REGION = 2 * (len(bucket_set(MAX_LENGTH)) + 1) + len(bucket_set(MAX_LENGTH))
 
 
 def pad_left(kwargs: dict, name: str, pads: int, call_pos: torch.Tensor) -> torch.Tensor:

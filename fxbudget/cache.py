@@ -36,10 +36,13 @@ class CallPositions:
     """What `BudgetForward` knows of the call about to run, shared by every layer of a cache: the positions of its
     tokens per row (`[batch, n]`, -1 = a pad: left padding of a batch, or fxbudget's own padding to a shape bucket)
     and how many tokens the call adds to `get_seq_length()` (pads of the user's batch count, fxbudget's do not).
-    Unset (None), a layer numbers the call's tokens on from `seen` (a plain `torch.compile(backend="fxbudget")`)."""
+    Unset (None), a layer numbers the call's tokens on from `seen` (a plain `torch.compile(backend="fxbudget")`).
+    `empty`: a one-call prefill on a cache that held no token (`BudgetCache.empty`): no slot is valid; False when
+    unknown or chunked."""
 
     pos: Tensor | None = None
     advance: Tensor | None = None
+    empty: bool = False
 
 
 class BudgetLayer(CacheLayerMixin):
@@ -104,6 +107,9 @@ class BudgetLayer(CacheLayerMixin):
         several layers share (`fxbudget.regions`: an index in the graph would make every layer a graph of its own).
         The index only labels the call (the pass's report, the eager path's errors); the kernel never reads it."""
         b, _, n, _ = key_states.shape
+        # Only a call longer than the slots is told the cache is empty (a static argument: a graph of its own): its
+        # skipped slots are worth a graph; a shorter call keeps the graph it shares with calls on a filled cache.
+        empty = n > self.slots and self.call.empty
         if self.call.pos is None:
             new_pos = (torch.arange(n, device=self.device) + self.seen).expand(b, n)
             self.seen.add_(n)
@@ -114,10 +120,11 @@ class BudgetLayer(CacheLayerMixin):
             self.seen.add_(advance)
         tensors = marker_tensors(self.kernel_slots(), NewTokens(key_states, value_states, new_pos),
                                  LayerConstants(self.inv_freq, self.wo))
-        k, v = torch.ops.fxbudget.candidates(*tensors, layer, self.budget, self.keep, self.sliding, self.pooled)
+        k, v = torch.ops.fxbudget.candidates(*tensors, layer, self.budget, self.keep, self.sliding, self.pooled,
+                                              empty)
         if not torch.compiler.is_compiling():
             mode = require_interceptor()  # eager: the interceptor must be active, or SDPA would be wrong
-            call = MarkerCall(tensors, self.layer, self.budget, self.keep, self.sliding, self.pooled)
+            call = MarkerCall(tensors, self.layer, self.budget, self.keep, self.sliding, self.pooled, empty)
             k._fxbudget, v._fxbudget = call, call
             mode.pending[id(call)] = self.layer
         return k, v
@@ -259,6 +266,7 @@ class BudgetCache(Cache):
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         # Entries held per budgeted layer, tracked on the Python side to check head-room before a call runs.
         self._held = [0] * len(self.layer_budgets)
+        self._empty = True  # no token admitted yet (every layer, sliding ones included): `empty`
 
     @property
     def has_wo(self) -> bool:
@@ -395,25 +403,32 @@ class BudgetCache(Cache):
             self._held = [held + n for held in self._held]
         else:
             self._held = [min(held + n, b) for held, b in zip(self._held, self.layer_budgets)]
+        self._empty = self._empty and n == 0
+
+    @property
+    def empty(self) -> bool:
+        """No token admitted since the cache was built or reset (or in the restored snapshot): every slot of every
+        layer is empty. Kept on the Python side (no read-back), so a compiled call can be told (`CallPositions`)."""
+        return self._empty
 
     def snapshot(self) -> dict:
         """Every layer's state (`BudgetLayer.snapshot`) and the cache's own bookkeeping, for `restore`."""
         return {"layers": [layer.snapshot() for layer in self.layers], "held": list(self._held),
-                "next_pos": self.next_pos.clone()}
+                "empty": self._empty, "next_pos": self.next_pos.clone()}
 
     def restore(self, snap: dict) -> None:
         """Put a `snapshot` back, in place (the tensors keep their addresses: a compiled forward sees the same
         inputs); every tensor bit-identical to when it was taken."""
         for layer, state in zip(self.layers, snap["layers"]):
             layer.load(state)
-        self._held = list(snap["held"])
+        self._held, self._empty = list(snap["held"]), snap["empty"]
         self.next_pos.copy_(snap["next_pos"])
 
     def reset(self) -> None:
         super().reset()
         for layer in self._budgeted():
             layer.keep = layer.budget
-        self._held, self._frozen = [0] * len(self.layer_budgets), False
+        self._held, self._frozen, self._empty = [0] * len(self.layer_budgets), False, True
         self.next_pos.zero_()
 
     def _budgeted(self):

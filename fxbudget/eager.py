@@ -120,4 +120,4 @@ def run_kernel(query, call, scale, cfg: BudgetAttentionMode):
     rule = cfg.sliding_rule if call.sliding else cfg.rule
     slots, new, const = from_marker(call.tensors)
     return attend(query, slots, new, const, rule=rule, budget=call.budget, keep=call.keep, pooled=call.pooled,
-                  sliding=call.sliding, window=cfg.window, scale=scale, block=cfg.block)
+                  sliding=call.sliding, window=cfg.window, scale=scale, block=cfg.block, empty=call.empty)

@@ -271,14 +271,19 @@ class BudgetForward:
             last = i == len(chunks) - 1
             part = {"input_ids": input_ids[:, sl]} if input_ids is not None else {"inputs_embeds": inputs_embeds[:, sl]}
             chunk_pos = pos[:, sl]
+            # A one-call prefill on an empty cache may skip the slots (`BudgetLayer.mark`); a chunked one does not, so
+            # its chunks share one graph.
+            empty = cache.empty and len(chunks) == 1
             cache.admit(real)
             cache.call.pos, cache.call.advance = chunk_pos, self._advance_tensor(sl.stop - sl.start, x.device)
+            cache.call.empty = empty
             try:
                 outputs = self._call_once(**{self._cache_name: cache}, use_cache=True,
                                           position_ids=chunk_pos.clamp(min=0), **part, **kwargs,
                                           logits_to_keep=(keep if last else 1) if tail_only else 0)
             finally:
                 cache.call.pos = cache.call.advance = None
+                cache.call.empty = False
             cache.next_pos += (chunk_pos >= 0).sum(-1).to(cache.next_pos.device)
             if not tail_only:
                 logits.append(outputs.logits)

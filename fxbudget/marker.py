@@ -24,7 +24,7 @@ class NoBudgetAttentionError(RuntimeError):
 def candidates(
     keys: Tensor, values: Tensor, pos: Tensor, state: Tensor, norms: Tensor, totals: Tensor, owner: Tensor,
     k_new: Tensor, v_new: Tensor, new_pos: Tensor, inv_freq: Tensor, wo: Tensor, layer: int, budget: int, keep: int,
-    sliding: int, pooled: bool,
+    sliding: int, pooled: bool, empty: bool,
 ) -> tuple[Tensor, Tensor]:
     """Marker: the candidate keys/values (slots then new tokens), as a plain cache would hand them to SDPA. Its
     tensors are `kernel.state.MARKER_TENSORS` (`marker_tensors` / `from_marker` convert)."""
@@ -33,14 +33,16 @@ def candidates(
 
 @candidates.register_fake
 def _(keys, values, pos, state, norms, totals, owner, k_new, v_new, new_pos, inv_freq, wo, layer, budget, keep,
-      sliding, pooled):
+      sliding, pooled, empty):
     return torch.cat([keys, k_new], dim=2), torch.cat([values, v_new], dim=2)
 
 
 assert MARKER_TENSORS == tuple(a.name for a in torch.ops.fxbudget.candidates.default._schema.arguments)[
     :len(MARKER_TENSORS)], \
     "the marker's tensors are kernel.state.MARKER_TENSORS"
-MARKER_STATICS = ("layer", "budget", "keep", "sliding", "pooled")
+# `empty`: every slot of the layer is empty (a long prefill on a fresh cache, `CallPositions.empty`): the kernel
+# skips the slots, which a compiled graph cannot tell from their positions (data).
+MARKER_STATICS = ("layer", "budget", "keep", "sliding", "pooled", "empty")
 
 
 @dataclass
@@ -53,3 +55,4 @@ class MarkerCall:
     keep: int
     sliding: int
     pooled: bool = False
+    empty: bool = False

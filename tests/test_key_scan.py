@@ -157,3 +157,38 @@ def test_one_body_whatever_the_length(h, g):
         assert graph_host_syncs(kt.measure) == []
         nodes[n] = _count(kt.measure)
     assert len(set(nodes.values())) == 1, nodes
+
+
+def _matmuls(gm) -> int:
+    """Matmul nodes of a traced graph, its scan bodies included."""
+    ops = (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
+    return sum(n.target in ops for n in gm.graph.nodes) + sum(
+        _matmuls(m) for m in gm.children() if isinstance(m, torch.fx.GraphModule))
+
+
+@pytest.mark.parametrize("n, block, sliding, h, g, left_pads", [
+    (50, 3, 0, 1, 6, (5, 0)),   # MQA, folded
+    (69, 4, 0, 2, 3, (0, 3)),   # GQA, folded in tiles
+    (61, 4, 6, 2, 3, (0, 9)),   # a sliding layer's band scan
+])
+def test_a_call_on_an_empty_cache_skips_the_slots(n, block, sliding, h, g, left_pads):
+    """Told the cache is empty (`empty`: the marker's static argument, a long prefill on a fresh cache), the traced
+    measure phase has no slot matmuls, and still gives the eager kernel's results (which reads the emptiness from
+    the positions) and the float64 reference's. Told so over held slots, the eager kernel refuses."""
+    inputs = _inputs(n, h, g, 0, left_pads)
+    told = run_measure(inputs, window=WINDOW, sliding=sliding, scale=None, block=block, traced=True, empty=True)
+    eager = _measure(inputs, False, sliding, block)
+    kw = dict(budget=7, keep=7, sliding=sliding, window=WINDOW, scale=None, block=block, budget_ints=False)
+    graphs = {e: trace(inputs, rules.get("h2o"), empty=e, **kw).measure for e in (False, True)}
+    for name, a, gr, e in zip(("out", "totals", *SIGNAL_NAMES), told, run_traced_measure(
+            trace(inputs, rules.get("h2o"), empty=True, **kw), inputs), eager):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12, msg=name)
+        torch.testing.assert_close(gr, e, rtol=1e-12, atol=1e-12, msg=name)
+    ref = reference(inputs, WINDOW, sliding)
+    for name, a, r in zip(("out", "attn", "window_attn", "last_attn"), (told[0], *told[2:5]), ref):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12, msg=name)
+    # Every slot matmul gone: QK and PV of the slots in the scan body, and in the window's block.
+    assert _matmuls(graphs[True]) < _matmuls(graphs[False]), {e: _matmuls(gm) for e, gm in graphs.items()}
+    with pytest.raises(RuntimeError, match="said it was empty"):
+        run_measure(_inputs(n, h, g, 3, left_pads), window=WINDOW, sliding=sliding, scale=None, block=block,
+                    empty=True)

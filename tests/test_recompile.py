@@ -88,3 +88,48 @@ def test_chunked_generate_on_two_prompts_compiles_two_graphs():
     lengths = sorted(next(n for n in gm.graph.nodes if n.op == "placeholder").meta["example_value"].shape[1]
                      for gm in m.forward.graphs)
     assert lengths == [1, 32]
+
+
+def _matmuls(gm) -> int:
+    ops = (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
+    return sum(n.target in ops for n in gm.graph.nodes) + sum(
+        _matmuls(m) for m in gm.children() if isinstance(m, torch.fx.GraphModule))
+
+
+def test_long_prefill_on_an_empty_cache_skips_the_slots_and_equals_eager():
+    """A one-call prefill longer than the slots on a fresh cache runs a graph without the slots' matmuls (they would
+    add exact zeros: issue 30's compiled prefill); the same length on a filled cache, and after `restore()`ing the
+    filled state, runs the graph with them. Every call equals the eager kernel; the cache's Python-side `empty`
+    follows reset, calls and snapshots."""
+    model = tiny_model("qwen2")
+    kw = dict(rule="snapkv", budget=8, block=4)
+    m = fxbudget.compile(fresh(model), backend="aot_eager", **kw)
+    ref = fxbudget.compile(fresh(model), backend=None, **kw)
+    caches = {id(x): x.forward.new_cache() for x in (m, ref)}
+    runs = {}
+    for x in (m, ref):
+        cache = caches[id(x)]
+        assert cache.empty
+        empty_snap = cache.snapshot()
+        logits = []
+        with torch.no_grad():
+            for ids in _prompts((40, 40), seed=5):  # both at bucket 40, above the 8 slots
+                logits.append(x(input_ids=ids, past_key_values=cache).logits)
+                assert not cache.empty
+            filled = cache.snapshot()
+            cache.restore(empty_snap)
+            assert cache.empty
+            cache.restore(filled)
+            assert not cache.empty
+            logits.append(x(input_ids=_prompts((40,), seed=6)[0], past_key_values=cache).logits)
+        cache.reset()
+        assert cache.empty
+        runs[id(x)] = logits, filled
+    (got, got_snap), (want, want_snap) = runs[id(m)], runs[id(ref)]
+    for a, b in zip(got, want):
+        assert (a - b).abs().max().item() <= 1e-4
+    for a, b in zip(got_snap["layers"], want_snap["layers"]):
+        assert torch.equal(a["pos"].sort(-1).values, b["pos"].sort(-1).values)
+    # Two graphs of the same shape: the fresh cache's without the slot matmuls, then the filled cache's.
+    (first, second) = m.forward.graphs
+    assert _matmuls(first) < _matmuls(second), (_matmuls(first), _matmuls(second))

@@ -42,35 +42,42 @@ class Block:
             return lg.masked_fill_(~vis, float("-inf"))
 
         # In place from here on: one [queries, candidates] buffer per part is the block's whole working memory.
-        ls = logits(self.k_slots, self.slot_pos)
+        # No slots (a prefill on an empty cache): no slot ops at all, not empty ones.
+        slots = self.slot_pos.shape[-1] > 0
+        ls = logits(self.k_slots, self.slot_pos) if slots else None
         length = c1 - c0
         ln = logits(self.k_new.narrow(2, c0, length), self.new_pos.narrow(-1, c0, length))
         m = ln.amax(dim=-1, keepdim=True)
-        if ls.shape[-1]:  # no slots: a prefill on an empty cache (eager)
+        if slots:
             m = torch.maximum(ls.amax(dim=-1, keepdim=True), m)
         # A row with nothing visible (a pad) would be NaN; it attends to nothing instead (exp(-inf) = 0).
         m = m.masked_fill(m == float("-inf"), 0.0)
-        es = ls.sub_(m).exp_().view(b, h, gr, -1)
+        es = ls.sub_(m).exp_().view(b, h, gr, -1) if slots else None
         en = ln.sub_(m).exp_().view(b, h, gr, -1)
-        denom = es.sum(dim=-1, keepdim=True) + en.sum(dim=-1, keepdim=True)
+        denom = (es.sum(dim=-1, keepdim=True) + en.sum(dim=-1, keepdim=True)) if slots else en.sum(dim=-1, keepdim=True)
         # The normalization is applied to the small results ([queries, d] and the weights), not to the probabilities.
         inv = 1.0 / denom.masked_fill(denom == 0, 1.0)  # [b, h, group * R, 1]
-        out = (_heads_matmul(es, self.v_slots) + en @ self.v_new.narrow(2, c0, length)) * inv
+        if slots:
+            out = (_heads_matmul(es, self.v_slots) + en @ self.v_new.narrow(2, c0, length)) * inv
+        else:
+            out = (en @ self.v_new.narrow(2, c0, length)) * inv
         # The three weighted sums over (group member, query) in one matmul per part: one read of the probabilities.
         wg = weights.unsqueeze(2).expand(b, 3, g, R).reshape(b, 1, 3, gr) * inv.transpose(-1, -2)
+        s_s = wg @ es if slots else wg.new_zeros(b, h, 3, 0)
         if win is None:
-            return out, wg @ es, wg @ en
-        return out, wg @ es, wg @ en, *self.window_max(es, en, inv, weights[:, 1], *win)
+            return out, s_s, wg @ en
+        return out, s_s, wg @ en, *self.window_max(es, en, inv, weights[:, 1], *win)
 
-    def window_max(self, es: Tensor, en: Tensor, inv: Tensor, in_window: Tensor, r0: int, r1: int):
+    def window_max(self, es: Tensor | None, en: Tensor, inv: Tensor, in_window: Tensor, r0: int, r1: int):
         """`window_max_attn` over rows `r0:r1` of the block: the largest probability each candidate gets from one
         window query (`in_window` `[b, R]`, 0/1) and one query head of the group, `[b, h, S]` and `[b, h, new]`:
-        a second read of those rows of the probabilities only."""
-        b, h, gr, _ = es.shape
+        a second read of those rows of the probabilities only. `es` None: no slots."""
+        b, h, gr, _ = en.shape
         R = in_window.shape[1]
         g = gr // R
         scale = (inv.view(b, h, g, R, 1) * in_window.view(b, 1, 1, R, 1))[:, :, :, r0:r1]
-        return tuple((x.view(b, h, g, R, -1)[:, :, :, r0:r1] * scale).amax(dim=(2, 3)) for x in (es, en))
+        top = [(x.view(b, h, g, R, -1)[:, :, :, r0:r1] * scale).amax(dim=(2, 3)) for x in (es, en) if x is not None]
+        return (top[0].new_zeros(b, h, 0), *top) if es is None else tuple(top)
 
 
 def _heads_matmul(a: Tensor, m: Tensor) -> Tensor:

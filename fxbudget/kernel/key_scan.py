@@ -122,11 +122,11 @@ def _fold_body(scale: float, sliding: int, b: int, h: int, g: int, R: int, S: in
         ln = ln.view(T, b, h, g, R, Rk)
         qpt = qp2.index_select(0, side).view(T, b, 1, 1, R, 1)
         ln.masked_fill_(~visible(kpt.index_select(0, kidx).view(T, b, 1, 1, 1, Rk), qpt), neg)
-        # The slots, for both blocks' rows: [b, h, 2, g, R, S].
-        ls = _heads_matmul(qs.permute(1, 2, 0, 3, 4, 5).reshape(b, h, 2 * gr, -1), k_slots.transpose(-1, -2))
-        ls = ls.view(b, h, 2, g, R, S)
-        qps = qp2.transpose(0, 1).reshape(b, 1, 2, 1, R, 1)
-        ls.masked_fill_(~visible(slot_pos.view(b, slot_pos.shape[1], 1, 1, 1, S), qps), neg)
+        if S:  # the slots, for both blocks' rows: [b, h, 2, g, R, S] (none when the cache is empty)
+            ls = _heads_matmul(qs.permute(1, 2, 0, 3, 4, 5).reshape(b, h, 2 * gr, -1), k_slots.transpose(-1, -2))
+            ls = ls.view(b, h, 2, g, R, S)
+            qps = qp2.transpose(0, 1).reshape(b, 1, 2, 1, R, 1)
+            ls.masked_fill_(~visible(slot_pos.view(b, slot_pos.shape[1], 1, 1, 1, S), qps), neg)
 
         sec = second.view(T, 1, 1, 1, 1)
         mt = ln.amax(dim=-1)  # [T, b, h, g, R]
@@ -136,23 +136,25 @@ def _fold_body(scale: float, sliding: int, b: int, h: int, g: int, R: int, S: in
         # A row with nothing visible (a pad) would be NaN; it attends to nothing instead (exp(-inf) = 0).
         m2 = m2.masked_fill(m2 == neg, 0.0)  # [2, b, h, g, R]
         en = ln.sub_(m2.index_select(0, side).unsqueeze(-1)).exp_()
-        es = ls.sub_(m2.permute(1, 2, 0, 3, 4).unsqueeze(-1)).exp_()
+        es = ls.sub_(m2.permute(1, 2, 0, 3, 4).unsqueeze(-1)).exp_() if S else None
         st = en.sum(dim=-1)
-        denom = torch.stack([st.masked_fill(sec, 0.0).sum(0), st.masked_fill(~sec, 0.0).sum(0)]) \
-            + es.sum(dim=-1).permute(2, 0, 1, 3, 4)
+        denom = torch.stack([st.masked_fill(sec, 0.0).sum(0), st.masked_fill(~sec, 0.0).sum(0)])
+        if S:
+            denom = denom + es.sum(dim=-1).permute(2, 0, 1, 3, 4)
         inv = 1.0 / denom.masked_fill(denom == 0, 1.0)  # [2, b, h, g, R]
 
         en = en.view(T, b, h, gr, Rk)
-        es = es.view(b, h, 2, gr, S)
+        es = es.view(b, h, 2, gr, S) if S else None
         pv = en @ vt.index_select(0, kidx)  # [T, b, h, g * R, dv]
         o2 = torch.stack([pv.masked_fill(sec, 0.0).sum(0), pv.masked_fill(~sec, 0.0).sum(0)])
-        o2 = (o2 + _heads_matmul(es.reshape(b, h, 2 * gr, S), v_slots).view(b, h, 2, gr, -1).permute(2, 0, 1, 3, 4))
+        if S:
+            o2 = o2 + _heads_matmul(es.reshape(b, h, 2 * gr, S), v_slots).view(b, h, 2, gr, -1).permute(2, 0, 1, 3, 4)
         o2 = (o2 * inv.view(2, b, h, gr, 1)).view(2, b, h, g, R, -1)
 
         # Weighted column sums with the final normalizers: [2, b, h, 3, g * R] weights per row.
         wg = (w2.view(2, b, 1, 3, 1, R) * inv.view(2, b, h, 1, g, R)).reshape(2, b, h, 3, gr)
         col = wg.index_select(0, side) @ en  # [T, b, h, 3, Rk]
-        s_s = (wg.permute(1, 2, 0, 3, 4) @ es).sum(dim=2)  # [b, h, 3, S]
+        s_s = (wg.permute(1, 2, 0, 3, 4) @ es).sum(dim=2) if S else 0.0  # [b, h, 3, S]
         # Key tile k's sum: step tile k of the first block (k <= jt) plus step tile jt + 1 + k of the last block
         # (when that is a tile of the step: k <= nt - 1 - jt).
         k = u[:nt]

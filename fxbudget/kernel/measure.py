@@ -22,7 +22,7 @@ from .state import SIGNAL_NAMES, TOTALED, LayerConstants, LayerSlots, NewTokens
 
 def measure(
     q: Tensor, slots: LayerSlots, new: NewTokens, const: LayerConstants, *, window: int, sliding: int,
-    scale: float | None, block: int | None = DEFAULT_BLOCK, traced: bool = False,
+    scale: float | None, block: int | None = DEFAULT_BLOCK, traced: bool = False, empty: bool = False,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """The attention output `[batch, q_heads, n, head_dim]`, the `TOTALED` signals' totals `[batch, kv_heads, 9]`,
     and every signal (`state.SIGNAL_NAMES`, a dict in that order).
@@ -34,6 +34,8 @@ def measure(
     before its window). `traced=True` (the graph pass) loops with `scan` higher-order ops of static shapes, so the
     compiled graph does not grow with `n` and holds no host sync (`block_scan.scan_blocks`: a full layer's
     query blocks folded in pairs over exactly the causal triangle, `key_scan.fold_scan`; a sliding layer's band).
+    `empty` (the marker's: the cache held nothing before the call) skips the slots, which would add exact zeros;
+    eagerly, the positions say so anyway (and must agree).
     """
     k_slots, v_slots, pos_slots = slots.keys, slots.values, slots.pos
     k_new, v_new, new_pos = new.keys, new.values, new.pos
@@ -56,13 +58,16 @@ def measure(
     valid = qpos >= 0
     weights = torch.stack([valid, valid & (qpos > last - w), valid & (qpos == last)], dim=1).to(acc)  # [b, 3, n]
     slot_pos = pos_slots.to(torch.int32)
-    live = S
     if not traced and n > 1:
         check_left_padded(new_pos)  # the window is the call's last `w` queries (one token: nothing to check)
-    if not traced and not bool((slot_pos >= 0).any()):
-        # Eagerly, a call on an empty cache (a prefill) skips its empty slots: they would add exact zeros. The
-        # compiled graph cannot branch on data and computes them.
-        live = 0
+    if not traced:
+        # Eagerly, a call on an empty cache (a prefill) is read from the positions. A compiled graph cannot branch
+        # on data: it skips the slots only when the cache says they are empty (`empty`, a static argument).
+        held = bool((slot_pos >= 0).any())
+        if empty and held:
+            raise RuntimeError("fxbudget: the cache said it was empty, but the layer's slots hold entries")
+        empty = not held
+    live = 0 if empty else S  # empty slots would add exact zeros
     # bf16/fp16: the blocks compute in fp32 throughout, as flash attention accumulates (logits rounded to the input
     # dtype first double the error against float64). The cost: an fp32 copy of the call's K/V (slots included).
     kv = [x.to(acc) for x in (k_slots[:, :, :live], v_slots[:, :, :live], k_new, v_new)]

@@ -21,10 +21,11 @@ from .state import LayerConstants, LayerSlots, NewTokens
 
 
 def measure_phase(lay: Layout, q: Tensor, slots: LayerSlots, new: NewTokens, const: LayerConstants, *,
-                  window: int, sliding: int, scale: float | None, block: int | None, traced: bool = False):
+                  window: int, sliding: int, scale: float | None, block: int | None, traced: bool = False,
+                  empty: bool = False):
     """Phase 1: `measure` over the slots as the layout hands them. Returns `(out, totals, signals)`."""
     return measure(q, lay.view(slots), new, const, window=window, sliding=sliding, scale=scale, block=block,
-                   traced=traced)
+                   traced=traced, empty=empty)
 
 
 def rule_phase(lay: Layout, rule: Rule, budget: int, window: int, signals: dict[str, Tensor]) -> Tensor:
@@ -46,11 +47,11 @@ def select(lay: Layout, rule: Rule, signals: dict[str, Tensor], totals: Tensor, 
 
 def attend(q: Tensor, slots: LayerSlots, new: NewTokens, const: LayerConstants, *, rule: Rule, budget: int,
            keep: int, pooled: bool = False, sliding: int = 0, window: int = DEFAULT_WINDOW,
-           scale: float | None = None, block: int | None = DEFAULT_BLOCK) -> Tensor:
+           scale: float | None = None, block: int | None = DEFAULT_BLOCK, empty: bool = False) -> Tensor:
     """The three phases in order, eagerly; returns the attention output and updates `slots` in place."""
     lay = layout(pooled)
     out, totals, signals = measure_phase(lay, q, slots, new, const, window=window, sliding=sliding, scale=scale,
-                                         block=block)
+                                         block=block, empty=empty)
     select(lay, rule, signals, totals, slots, new, budget=budget, keep=keep, window=window)
     return out
 

@@ -244,11 +244,12 @@ def _check_pure(gm: fx.GraphModule, rule: Rule) -> None:
 
 
 def _trace_phases(fake: dict, rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
-                  scale: float | None, block: int, mode: FakeTensorMode, pooled: bool = False) -> KernelTrace:
+                  scale: float | None, block: int, mode: FakeTensorMode, pooled: bool = False,
+                  empty: bool = False) -> KernelTrace:
     lay = layout(pooled)
     q, (slots, new, const) = fake["q"], from_marker([fake[a] for a in MARKER_TENSORS])
     phase1 = functools.partial(measure_phase, lay, window=window, sliding=sliding, scale=scale, block=block,
-                               traced=True)
+                               traced=True, empty=empty)
     # Pooled, the allocation step is part of the rule region (so uniform and adaptive runs share one fingerprint).
     phase2 = functools.partial(rule_phase, lay, rule, budget, window)
     phase3 = functools.partial(evict_phase, lay, keep=keep)
@@ -272,7 +273,7 @@ _SLOT_TENSORS = ("keys", "values", "pos", "state", "norms", "owner")  # slot dim
 
 def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
                  scale: float | None, block: int | None = DEFAULT_BLOCK, pooled: bool = False,
-                 budget_ints: bool = True) -> KernelTrace:
+                 budget_ints: bool = True, empty: bool = False) -> KernelTrace:
     """Trace `measure`, `rule_region` and `evict` on fake tensors shaped like the example values `ev`.
 
     With `budget_ints`, `measure` and `evict` are traced a second time with one more slot and `keep + 1`, to find
@@ -286,12 +287,12 @@ def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: 
                 for k, v in ev.items()}
         grown = {k: _grown(v, 2) if k in _SLOT_TENSORS else v for k, v in fake.items()}
     kt = _trace_phases(fake, rule, budget=budget, keep=keep, sliding=sliding, window=window, scale=scale,
-                       block=block, mode=mode, pooled=pooled)
+                       block=block, mode=mode, pooled=pooled, empty=empty)
     _check_pure(kt.rule, rule)
     if not budget_ints:
         return kt
     big = _trace_phases(grown, rule, budget=budget + 1, keep=keep + 1, sliding=sliding, window=window, scale=scale,
-                        block=block, mode=mode, pooled=pooled)
+                        block=block, mode=mode, pooled=pooled, empty=empty)
     slots = ev["keys"].shape[2]
     _mark_budget_ints(kt.measure, big.measure, slots)
     _mark_budget_ints(kt.evict, big.evict, slots)
@@ -315,14 +316,14 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule,
         mask = args["attn_mask"]
         scale = check(args, mask_dtype=_example(mask).dtype if isinstance(mask, fx.Node) else None)
         graph_in = {**dict(zip(MARKER_TENSORS, marker.args)), "q": args["query"]}
-        layer, budget, keep, sliding, pooled = marker.args[len(MARKER_TENSORS):]
+        layer, budget, keep, sliding, pooled, empty = marker.args[len(MARKER_TENSORS):]
         ev = {name: _example(n) for name, n in graph_in.items()}
         key = (tuple((k, tuple(v.shape), tuple(v.stride()), v.dtype, v.device) for k, v in ev.items()),
-               budget, keep, sliding, scale, pooled)
+               budget, keep, sliding, scale, pooled, empty)
         if key not in traces:
             traces[key] = trace_kernel(ev, sliding_rule if sliding else rule, budget=budget, keep=keep,
                                        sliding=sliding, window=window, scale=scale, block=block, pooled=pooled,
-                                       budget_ints=budget_ints)
+                                       budget_ints=budget_ints, empty=empty)
         kt = traces[key]
 
         # Splice each phase before the SDPA node, feeding its outputs to the next phase (the same pytrees of graph
