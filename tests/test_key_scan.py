@@ -179,9 +179,10 @@ def test_a_call_on_an_empty_cache_skips_the_slots(n, block, sliding, h, g, left_
     told = run_measure(inputs, window=WINDOW, sliding=sliding, scale=None, block=block, traced=True, empty=True)
     eager = _measure(inputs, False, sliding, block)
     kw = dict(budget=7, keep=7, sliding=sliding, window=WINDOW, scale=None, block=block, budget_ints=False)
-    graphs = {e: trace(inputs, rules.get("h2o"), empty=e, **kw).measure for e in (False, True)}
-    for name, a, gr, e in zip(("out", "totals", *SIGNAL_NAMES), told, run_traced_measure(
-            trace(inputs, rules.get("h2o"), empty=True, **kw), inputs), eager):
+    traces = {e: trace(inputs, rules.get("h2o"), empty=e, **kw) for e in (False, True)}
+    graphs = {e: kt.measure for e, kt in traces.items()}
+    for name, a, gr, e in zip(("out", "totals", *SIGNAL_NAMES), told, run_traced_measure(traces[True], inputs),
+                              eager):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12, msg=name)
         torch.testing.assert_close(gr, e, rtol=1e-12, atol=1e-12, msg=name)
     ref = reference(inputs, WINDOW, sliding)
@@ -189,6 +190,9 @@ def test_a_call_on_an_empty_cache_skips_the_slots(n, block, sliding, h, g, left_
         torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12, msg=name)
     # Every slot matmul gone: QK and PV of the slots in the scan body, and in the window's block.
     assert _matmuls(graphs[True]) < _matmuls(graphs[False]), {e: _matmuls(gm) for e, gm in graphs.items()}
+    # Only the measure phase differs: the rule region and evict are the same graphs (the fingerprint's probe, on
+    # slots, hashes those).
+    assert traces[True].rule.code == traces[False].rule.code and traces[True].evict.code == traces[False].evict.code
     with pytest.raises(RuntimeError, match="said it was empty"):
         run_measure(_inputs(n, h, g, 3, left_pads), window=WINDOW, sliding=sliding, scale=None, block=block,
                     empty=True)

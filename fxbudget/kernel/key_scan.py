@@ -12,6 +12,7 @@ per KV head: the O(R x n) working memory of a query block of the eager loop. So:
   gathered queries, the partial outputs, `d / (c R)` of the logits each) small when the query block is;
 - the graph holds one step body whatever `n` (one `scan`, static shapes: `nb` only changes the sizes);
 - no host sync, no data-dependent size: the step's tile indices are data (gathers of a static count).
+On an empty cache (`measure`'s `empty`: no slots) the step has no slot ops at all.
 Each query row's softmax is exact within its step (its row max and normalizer over the slots and all its tiles are
 reductions over the step's tiles, split by which block a tile belongs to), so the weighted column sums every signal
 needs use the final normalizers directly: one QK, one PV and one weights-times-probabilities product per tile,
