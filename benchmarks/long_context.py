@@ -169,7 +169,7 @@ def main() -> int:
             ratio = (lambda k: f"{r[k] / full[k]:.2f}" if side != "full" and full.get(k) else "")
             rows.append([n, side, f"{r['seconds']:.1f}", ratio("seconds"), f"{r['mb']:.0f}", ratio("mb"),
                          "" if r["compile_run_s"] is None else f"{r['compile_run_s']:.0f}",
-                         "same" if side == "full" or r["token"] == full.get("token") else "differs"])
+                         "same" if side == "full" or r["token"] == full.get("token") else "differs" if full else ""])
     lines = header_lines("Long context: one-call prefill, fxbudget vs the unmodified model", info,
                          command_line(f"OMP_NUM_THREADS={a.threads} "), load_after=load_str())
     lines += [f"Embedded model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF dequantized), {a.dtype} on {a.device}; "
