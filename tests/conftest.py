@@ -67,6 +67,13 @@ def llama():
     return tiny_model("llama")
 
 
+def matmul_nodes(gm) -> int:
+    """Matmul nodes (`aten.bmm`, `aten.mm`) of a graph, its subgraphs (scan bodies) included."""
+    ops = (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
+    return sum(n.target in ops for n in gm.graph.nodes) + sum(
+        matmul_nodes(m) for m in gm.children() if isinstance(m, torch.fx.GraphModule))
+
+
 def fresh(model):
     return copy.deepcopy(model)
 

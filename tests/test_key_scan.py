@@ -8,6 +8,7 @@ from fxbudget import rules
 from fxbudget.kernel import SIGNAL_NAMES
 from fxbudget.kernel.key_scan import fold_pairs, padded_blocks, tile_blocks
 
+from conftest import matmul_nodes
 from host_sync import graph_host_syncs
 from test_blocks import _call, _count, run_measure, run_traced_measure, trace
 
@@ -159,13 +160,6 @@ def test_one_body_whatever_the_length(h, g):
     assert len(set(nodes.values())) == 1, nodes
 
 
-def _matmuls(gm) -> int:
-    """Matmul nodes of a traced graph, its scan bodies included."""
-    ops = (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
-    return sum(n.target in ops for n in gm.graph.nodes) + sum(
-        _matmuls(m) for m in gm.children() if isinstance(m, torch.fx.GraphModule))
-
-
 @pytest.mark.parametrize("n, block, sliding, h, g, left_pads", [
     (50, 3, 0, 1, 6, (5, 0)),   # MQA, folded
     (69, 4, 0, 2, 3, (0, 3)),   # GQA, folded in tiles
@@ -189,7 +183,7 @@ def test_a_call_on_an_empty_cache_skips_the_slots(n, block, sliding, h, g, left_
     for name, a, r in zip(("out", "attn", "window_attn", "last_attn"), (told[0], *told[2:5]), ref):
         torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12, msg=name)
     # Every slot matmul gone: QK and PV of the slots in the scan body, and in the window's block.
-    assert _matmuls(graphs[True]) < _matmuls(graphs[False]), {e: _matmuls(gm) for e, gm in graphs.items()}
+    assert matmul_nodes(graphs[True]) < matmul_nodes(graphs[False]), {e: matmul_nodes(gm) for e, gm in graphs.items()}
     # Only the measure phase differs: the rule region and evict are the same graphs (the fingerprint's probe, on
     # slots, hashes those).
     assert traces[True].rule.code == traces[False].rule.code and traces[True].evict.code == traces[False].evict.code

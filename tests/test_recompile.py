@@ -4,7 +4,7 @@ a bounded number of graphs (`fxbudget.buckets.MAX_GRAPHS_PER_REGION`), and the b
 import torch
 
 import fxbudget
-from conftest import fresh, tiny_model
+from conftest import fresh, matmul_nodes, tiny_model
 
 NEW = 3  # greedy tokens per prompt
 
@@ -90,12 +90,6 @@ def test_chunked_generate_on_two_prompts_compiles_two_graphs():
     assert lengths == [1, 32]
 
 
-def _matmuls(gm) -> int:
-    ops = (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
-    return sum(n.target in ops for n in gm.graph.nodes) + sum(
-        _matmuls(m) for m in gm.children() if isinstance(m, torch.fx.GraphModule))
-
-
 def test_long_prefill_on_an_empty_cache_skips_the_slots_and_equals_eager():
     """A one-call prefill longer than the slots on a fresh cache runs a graph without the slots' matmuls (they would
     add exact zeros: issue 30's compiled prefill); the same length on a filled cache, and after `restore()`ing the
@@ -105,10 +99,9 @@ def test_long_prefill_on_an_empty_cache_skips_the_slots_and_equals_eager():
     kw = dict(rule="snapkv", budget=8, block=4)
     m = fxbudget.compile(fresh(model), backend="aot_eager", **kw)
     ref = fxbudget.compile(fresh(model), backend=None, **kw)
-    caches = {id(x): x.forward.new_cache() for x in (m, ref)}
     runs = {}
     for x in (m, ref):
-        cache = caches[id(x)]
+        cache = x.forward.new_cache()
         assert cache.empty
         empty_snap = cache.snapshot()
         logits = []
@@ -132,4 +125,4 @@ def test_long_prefill_on_an_empty_cache_skips_the_slots_and_equals_eager():
         assert torch.equal(a["pos"].sort(-1).values, b["pos"].sort(-1).values)
     # Two graphs of the same shape: the fresh cache's without the slot matmuls, then the filled cache's.
     (first, second) = m.forward.graphs
-    assert _matmuls(first) < _matmuls(second), (_matmuls(first), _matmuls(second))
+    assert matmul_nodes(first) < matmul_nodes(second), (matmul_nodes(first), matmul_nodes(second))

@@ -76,8 +76,12 @@ class Block:
         R = in_window.shape[1]
         g = gr // R
         scale = (inv.view(b, h, g, R, 1) * in_window.view(b, 1, 1, R, 1))[:, :, :, r0:r1]
-        top = [(x.view(b, h, g, R, -1)[:, :, :, r0:r1] * scale).amax(dim=(2, 3)) for x in (es, en) if x is not None]
-        return (top[0].new_zeros(b, h, 0), *top) if es is None else tuple(top)
+        def top(x: Tensor) -> Tensor:
+            return (x.view(b, h, g, R, -1)[:, :, :, r0:r1] * scale).amax(dim=(2, 3))
+
+        m_s = top(es) if es is not None else None
+        m_n = top(en)
+        return (m_n.new_zeros(b, h, 0) if m_s is None else m_s), m_n
 
 
 def _heads_matmul(a: Tensor, m: Tensor) -> Tensor:
