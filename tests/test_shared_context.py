@@ -266,14 +266,22 @@ def test_covering_budget_rows_equal_the_unmodified_rows_per_turn(shared_run):
 
 def test_multi_request_first_request_is_the_query_agnostic_row(shared_run):
     """Request 1 of multi-request runs exactly what query-agnostic runs on the same sample (the sample's question is
-    its first request's)."""
+    its first request's). The unmodified model's row is the same computation split differently (query-agnostic's
+    reference prefills context and question in one call, multi-request's in two), so its likelihood agrees to float
+    rounding only: bitwise equality there depends on the CPU's matmul blocking."""
     _, rows = shared_run
     qa = {(r["rule"], r["budget"], r["sample"]): r for r in rows if r["protocol"] == "query-agnostic"}
+    checked = 0
     for r in rows:
         if r["protocol"] == "multi-request" and r["turn"] == 1:
             q = qa[(r["rule"], r["budget"], r["sample"])]
-            assert (r["prediction"], r["answer_logprob"], r["kv_held_bytes"]) == \
-                (q["prediction"], q["answer_logprob"], q["kv_held_bytes"])
+            assert (r["prediction"], r["kv_held_bytes"]) == (q["prediction"], q["kv_held_bytes"])
+            if r["rule"] == "full":
+                assert r["answer_logprob"] == pytest.approx(q["answer_logprob"], abs=1e-4)
+            else:
+                assert r["answer_logprob"] == q["answer_logprob"], r["key"]
+                checked += 1
+    assert checked == 2 * 2 * 2  # samples x budgeted rules x budgets, bit for bit
 
 
 def test_report_has_per_turn_tables(shared_run):
