@@ -32,9 +32,9 @@ def test_fold_pairs_visit_exactly_the_triangle():
             pairs = [p for _, tiles in steps for p in tiles]
             assert sorted(pairs) == sorted((i, k) for i in range(nb2) for k in range(i // c + 1))
             assert all({i for i, _ in tiles} == {j, nb2 - 1 - j} for j, tiles in steps)
-    # Tiles of at least 64 new tokens once the call has 16 blocks per tile block; pads stay under 1/8 of the call.
-    assert [tile_blocks(R, nb) for R, nb in ((64, 32), (32, 128), (16, 512), (16, 32), (4, 7), (2, 10_000))] == \
-        [1, 2, 4, 2, 1, 32]
+    # Tiles of up to 512 new tokens (`TILE_KEYS`), at most nb / 16 blocks each; pads stay under 1/8 of the call.
+    assert [tile_blocks(R, nb) for R, nb in ((64, 32), (32, 128), (16, 512), (16, 1024), (16, 32), (4, 7),
+                                             (2, 10_000))] == [2, 8, 32, 32, 2, 1, 256]
     for nb in range(1, 600, 7):
         for R in (2, 5, 16, 64):
             assert padded_blocks(nb, tile_blocks(R, nb)) - nb <= max(1, nb // 8)
@@ -88,6 +88,7 @@ CASES = [  # n, block, sliding, h (KV heads), g (group), held slots, left pads p
     (17, 16, 0, 2, 2, 3, (1, 0)),   # two blocks, the second one query and pads
     (83, 2, 0, 2, 2, 5, (0, 7)),    # 42 blocks in tiles of 2 (tile_blocks): 44 with pads, 23 tiles a step
     (101, 3, 0, 1, 4, 2, (3, 0)),   # MQA, 34 blocks in tiles of 2, 36 with pads
+    (1100, 4, 0, 2, 3, 5, (0, 9)),  # 275 blocks in tiles of 17 (wide tiles, an odd count): 306 with pads
 ]
 
 

@@ -2,7 +2,8 @@
 
 A full-attention call of `n` new tokens in `nb` query blocks of `R` queries is scanned in `nb' / 2` steps, `nb'` =
 `nb` rounded up to a multiple of `2 c` with blocks of pads, over key tiles of `c R` new tokens (`c = tile_blocks(R,
-nb)`: tiles of `TILE_KEYS` tokens or more once the call has enough blocks). Step `j` takes query block `j` (first) and query block `nb' - 1 - j` (last):
+nb)`: tiles of `TILE_KEYS` tokens once the call has enough blocks). Step `j` takes query block `j` (first) and query
+block `nb' - 1 - j` (last):
 they see `j // c + 1` and `nb' / c - j // c` key tiles, `nb' / c + 1` together whatever `j`. The step gathers those
 tiles (tile `u` is key tile `u` of the first block for `u <= j // c`, key tile `u - j // c - 1` of the last block
 after) and computes every tile's logits with its own query block in one batched matmul, `[nb' / c + 1, rows, c R]`
@@ -28,9 +29,11 @@ from torch._higher_order_ops.scan import scan_op
 
 from .attention import _heads_matmul
 
-# Key tiles hold at least this many new tokens (whole query blocks): below it, the gathered queries and the partial
-# outputs of a tile ([rows, head dim] each) outweigh its logits ([rows, tile]).
-TILE_KEYS = 64
+# Key tiles hold this many new tokens (whole query blocks; fewer on short calls). Wide tiles: a step's gathered
+# queries (one copy of its block per tile, [rows, head dim]) shrink against its logits ([rows, tile]), and its
+# matmuls are fewer and larger. One layer of the embedded model's shapes under Inductor, 512 against 64: 2K 0.74 ->
+# 0.49 s, 8K 7.32 -> 6.54 s, 16K 27.48 -> 24.33 s (benchmarks/results/tile_keys.md).
+TILE_KEYS = 512
 
 
 def tile_blocks(R: int, nb: int) -> int:
