@@ -85,8 +85,10 @@ def env_info(device: str = "cpu") -> dict:
     """Machine, thread and version facts for a results header."""
     import torch
 
+    # The vector ISA torch runs with (AVX2, AVX512, ...): machines of one model name differ in it, and so do seconds.
+    isa = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", lambda: "")()
     info = {
-        "cpu": _cpu_model(),
+        "cpu": f"{_cpu_model()} ({isa})" if isa else _cpu_model(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
