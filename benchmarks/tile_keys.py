@@ -14,6 +14,7 @@ ratios are measured side by side in one process, so the machine's drift between 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -39,15 +40,13 @@ def cell(tokens: int, widths: list[int], repeat: int) -> dict:
     torch.set_num_threads(1)
     ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(1))
     runs, first, last = {}, {}, {}
-    saved = key_scan.TILE_KEYS
     for w in widths:
-        key_scan.TILE_KEYS = w
-        runs[str(w)] = fxbudget.compile(_model(tokens), rule="snapkv", budget=1024, backend="inductor")
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            last[str(w)] = runs[str(w)](input_ids=ids, logits_to_keep=1).logits[0, -1]
-        first[str(w)] = time.perf_counter() - t0
-    key_scan.TILE_KEYS = saved
+        with _tile_keys(w):  # the first call compiles: the kernel reads the width when it is traced
+            runs[str(w)] = fxbudget.compile(_model(tokens), rule="snapkv", budget=1024, backend="inductor")
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                last[str(w)] = runs[str(w)](input_ids=ids, logits_to_keep=1).logits[0, -1]
+            first[str(w)] = time.perf_counter() - t0
     runs["full"] = _model(tokens)
     times = {k: [] for k in runs}
     for _ in range(repeat):
@@ -57,20 +56,24 @@ def cell(tokens: int, widths: list[int], repeat: int) -> dict:
                 out = run(input_ids=ids, logits_to_keep=1).logits[0, -1]
             times[k].append(time.perf_counter() - t0)
             last.setdefault(k, out)
-    R = auto_block(14, tokens, "cpu")
+    R = auto_block(runs["full"].config.num_attention_heads, tokens, "cpu")  # batch 1 x query heads rows
     nb = -(-tokens // R)
-    return {"tokens": tokens, "block": R, "times": times, "first": first,
-            "tile": {str(w): _tile(w, R, nb) * R for w in widths},
+    tiles = {}
+    for w in widths:
+        with _tile_keys(w):
+            tiles[str(w)] = key_scan.tile_blocks(R, nb) * R
+    return {"tokens": tokens, "block": R, "times": times, "first": first, "tile": tiles,
             "max_diff": {k: float((v - last["full"]).abs().max()) for k, v in last.items()}}
 
 
-def _tile(width: int, R: int, nb: int) -> int:
-    """`key_scan.tile_blocks` for a given `TILE_KEYS`: query blocks per tile."""
+@contextlib.contextmanager
+def _tile_keys(width: int):
+    """`key_scan.TILE_KEYS` set to `width` inside the block (the kernel reads it when it is traced)."""
     import fxbudget.kernel.key_scan as key_scan
 
     saved, key_scan.TILE_KEYS = key_scan.TILE_KEYS, width
     try:
-        return key_scan.tile_blocks(R, nb)
+        yield
     finally:
         key_scan.TILE_KEYS = saved
 

@@ -32,7 +32,7 @@ def test_fold_pairs_visit_exactly_the_triangle():
             pairs = [p for _, tiles in steps for p in tiles]
             assert sorted(pairs) == sorted((i, k) for i in range(nb2) for k in range(i // c + 1))
             assert all({i for i, _ in tiles} == {j, nb2 - 1 - j} for j, tiles in steps)
-    # Tiles of up to 512 new tokens (`TILE_KEYS`), at most nb / 16 blocks each; pads stay under 1/8 of the call.
+    # Tiles of `TILE_KEYS` (512) new tokens in whole blocks, at most nb / 16 blocks; pads stay under 1/8 of the call.
     assert [tile_blocks(R, nb) for R, nb in ((64, 32), (32, 128), (16, 512), (16, 1024), (16, 32), (4, 7),
                                              (2, 10_000))] == [2, 8, 32, 32, 2, 1, 256]
     for nb in range(1, 600, 7):
