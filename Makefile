@@ -95,8 +95,8 @@ $(NEWEST_TORCH_VENV)/.installed: pyproject.toml constraints.txt
 test-newest-torch: $(NEWEST_TORCH_VENV)/.installed
 	$(NEWEST_TORCH_BIN)/python -c "import torch, transformers; print('test-newest-torch: torch', \
 		torch.__version__, 'transformers', transformers.__version__)"
-	@# Tests one by one (--dist load), not file by file: the Inductor tests are cold compiles concentrated in two files
-	@# (test_exactness.py compiles every rule), which file-by-file scheduling leaves to one worker.
+	@# Tests one by one (--dist load), not file by file: the Inductor tests are cold compiles concentrated in a few files
+	@# (test_eviction.py compiles every rule's layer), which file-by-file scheduling leaves to one worker.
 	$(NEWEST_TORCH_BIN)/python $(NEWEST_PYTEST) --dist load -m "newest or inductor"
 
 clean:

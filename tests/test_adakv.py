@@ -327,6 +327,7 @@ def test_frozen_headroom_and_chunked_prefill_pooled():
     assert _kept(caches[0], 0) == _kept(caches[1], 0)
 
 
+@pytest.mark.inductor
 def test_adakv_inductor_matches_eager():
     model = tiny_model("llama")
     torch.manual_seed(1)

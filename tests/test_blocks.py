@@ -293,7 +293,6 @@ def test_query_block_has_no_host_sync(sliding, h, g):
 
 def test_host_sync_finder_sees_item():
     """The finder the test above relies on catches what the old scan body did (`.item()` block bounds)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -6,7 +6,7 @@ import torch
 
 import fxbudget
 from fxbudget.harness.branch import branch, shared_prefill
-from fxbudget.rules import get, plain_generation_rules
+from fxbudget.rules import plain_generation_rules
 
 from conftest import greedy, tiny_model
 

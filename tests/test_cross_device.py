@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from fxbudget.rules import get, plain_generation_rules
+from fxbudget.rules import plain_generation_rules
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))  # the script imports its sibling _common

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from fxbudget import compile as fx_compile
 from fxbudget.cache_arg import output_cache
@@ -15,10 +14,10 @@ from fxbudget.harness import shared_context as S
 from fxbudget.harness.grid import Grid
 from fxbudget.harness.report import load_rows, markdown
 from fxbudget.harness.report_turns import decay, turn_table
-from fxbudget.harness.tasks import (SHARED_TASKS, TASKS, answer_ids, answer_text, chat_ids, followup_ids,
-                                    make_samples, requests, score)
+from fxbudget.harness.tasks import (SHARED_TASKS, TASKS, answer_ids, answer_text, chat_ids, make_samples,
+                                    requests, score)
 
-from conftest import fails_in_one_line, greedy, tiny_model
+from conftest import fails_in_one_line, greedy
 
 
 # --- the tasks ------------------------------------------------------------------------------------------------------
