@@ -351,17 +351,22 @@ def _model(arch: str):
 @pytest.mark.parametrize("arch, n, block", [("gemma3", 30, 7), ("llama-mqa", 200, 8)])
 def test_inductor_blocks_equal_eager(arch, n, block):
     """Inductor compiles the scan over query blocks (several blocks; sliding and full layers; GQA and one KV head) to
-    the eager loop's result."""
+    the eager loop's result: the prefill's logits and everything it leaves in the cache (a decode step after a
+    compiled scan prefill: tests/test_exactness.py; here it would add a cold compile and check less)."""
     model = _model(arch)
     ids = torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         ref, ref_cache = greedy(fxbudget.compile(fresh(model), rule="h2o", budget=12, backend=None, block=block),
-                                ids, 2)
+                                ids, 0)
         got, cache = greedy(fxbudget.compile(fresh(model), rule="h2o", budget=12, backend="inductor", block=block),
-                            ids, 2)
+                            ids, 0)
     assert (got - ref).abs().max().item() <= 1e-4
-    for i in range(len(cache.layers)):
-        assert torch.equal(cache.positions(i), ref_cache.positions(i)), i
+    for i, (a, b) in enumerate(zip(ref_cache.layers, cache.layers)):
+        assert torch.equal(b.pos, a.pos), i
+        # Not `totals` (stored to keep every signal live, read by no rule): the compiled call runs at its shape
+        # bucket, 2 pads longer, and its `pos` total counts their -1s.
+        for name in ("keys", "values", "state", "norms"):
+            torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-4, atol=1e-5, msg=f"{i} {name}")
 
 
 def test_auto_block():
