@@ -68,12 +68,11 @@ def test_full_budget_reproduces_model_aot_eager_gemma3(rule):
     _check_exact("gemma3", rule, backend="aot_eager", block=8)
 
 
-# Inductor on the whole model for one rule per layout and kind of signal, not for every rule: only the rule region
-# differs between rules (test_graph.py's fingerprint test proves the rest of the graph is the same for every rule),
-# and at a covering budget its score selects nothing. Every rule's region is compiled by Inductor, with eviction, in
-# test_eviction.py::test_inductor_layer_evicts_like_eager; every rule runs this test eagerly and under aot_eager.
-# snapkv: attention signals of the observation window; knorm: a per-token signal cached with the entry. The
-# head-pooled layout under Inductor: tests/test_adakv.py::test_adakv_inductor_matches_eager.
+# Inductor on the whole model for one rule per kind of signal (snapkv: the observation window's attention; knorm: a
+# per-token signal cached with the entry), not for every rule: only the rule region differs between rules
+# (test_graph.py's fingerprint test proves the rest equal), and at a covering budget its score selects nothing. Every
+# rule's region is compiled by Inductor with eviction in test_eviction.py::test_inductor_layer_evicts_like_eager, and
+# runs this test eagerly and under aot_eager above. The head-pooled layout under Inductor: test_adakv.py.
 @pytest.mark.inductor
 @pytest.mark.parametrize("rule", ["snapkv", "knorm"])
 def test_full_budget_reproduces_model_inductor(rule):
