@@ -350,7 +350,7 @@ class LayerCase:
         """Compiled step (the first call, which compiles, happens here and is timed into compile_s['budget'])."""
         import torch
 
-        from fxbudget.backend import make_backend
+        from fxbudget.compiler.backend import make_backend
 
         extra = {"cudagraphs": True} if self.cudagraphs else {}
         backend = make_backend(self.rule, inner=inner, **extra)
@@ -368,7 +368,7 @@ class LayerCase:
         """Eager step: the kernel called directly on the layer's tensors (same semantics as the compiled step)."""
         import torch
 
-        from fxbudget.backend import kernel_window
+        from fxbudget.compiler.backend import kernel_window
         from fxbudget.kernel import budget_attention
 
         L, rule, window, n = self.layer, self.rule, kernel_window(self.rule), self.n

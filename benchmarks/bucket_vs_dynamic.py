@@ -32,7 +32,7 @@ def _compile(dynamic: bool):
     from torch._dynamo.utils import counters
 
     import fxbudget.kernel.rule_region
-    from fxbudget.backend import kernel_window
+    from fxbudget.compiler.backend import kernel_window
     from fxbudget.kernel import PER_HEAD, LayerConstants, LayerSlots, NewTokens, evict_phase, measure_phase, rule_phase
     from fxbudget.rules import get
 

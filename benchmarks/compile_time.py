@@ -4,7 +4,7 @@
     python benchmarks/compile_time.py --quick      # smoke run: a tiny random Qwen2, regional only, printed only
 
 Routes (`fxbudget.compile(model, rule, budget, chunk_size, backend="inductor")`, then its compiled runner is):
-- `regional` (what fxbudget ships, `fxbudget.regions`): each decoder layer runs a `torch.compile`d region; layers of
+- `regional` (what fxbudget ships, `fxbudget.compiler.regions`): each decoder layer runs a `torch.compile`d region; layers of
   one configuration share its code object, hence one graph; the outer loop is eager.
 - `nested`: the whole forward traced by Dynamo, each decoder layer wrapped in `torch.compiler.nested_compile_region`
   (one `invoke_subgraph` subgraph reused by every layer); the SDPA pass rewrites the subgraph. Benchmark-only code.
@@ -39,10 +39,10 @@ def _nested_runner(forward, model, rule, graphs):
     import torch
     from torch import fx
 
-    from fxbudget.backend import kernel_window
-    from fxbudget.cache_arg import NAMES as CACHE_NAMES
+    from fxbudget.compiler.backend import kernel_window
+    from fxbudget.cache.keyword import NAMES as CACHE_NAMES
     from fxbudget.passes.sdpa import rewrite
-    from fxbudget.regions import LayerCacheView, whole_model_forward
+    from fxbudget.compiler.regions import LayerCacheView, whole_model_forward
     from fxbudget.rules import get
 
     def backend(gm, example_inputs, **kwargs):
@@ -70,9 +70,9 @@ def _child(a) -> dict:
     import torch
 
     import fxbudget
-    from fxbudget.backend import make_backend
-    from fxbudget.cache_arg import output_cache
-    from fxbudget.regions import whole_model_forward
+    from fxbudget.compiler.backend import make_backend
+    from fxbudget.cache.keyword import output_cache
+    from fxbudget.compiler.regions import whole_model_forward
 
     setup_threads(1)
     tune_malloc()

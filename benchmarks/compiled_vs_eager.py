@@ -45,7 +45,7 @@ def model_rows(rule: str, budget: int, chunk: int, reps: int) -> dict:
     import torch
 
     import fxbudget
-    from fxbudget.cache_arg import output_cache
+    from fxbudget.cache.keyword import output_cache
     from fxbudget.models import load_default
 
     model, _ = load_default(progress=False)

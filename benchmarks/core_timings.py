@@ -32,7 +32,7 @@ def _child(budget: int, chunk: int, prompt: int, steps: int) -> dict:
     import torch
 
     import fxbudget
-    from fxbudget.cache_arg import output_cache
+    from fxbudget.cache.keyword import output_cache
     from fxbudget.harness.tasks import chat_ids, passkey
     from fxbudget.models import load_default
 

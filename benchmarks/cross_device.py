@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.cmd == "dump":
-        from fxbudget.devices import resolve
+        from fxbudget.models.devices import resolve
 
         try:  # the defaults filled in, an absent GPU refused: before any model work
             place = resolve(args.device, args.dtype)

@@ -83,7 +83,7 @@ def _child(a) -> dict:
     from transformers import DynamicCache, StaticCache
 
     import fxbudget
-    from fxbudget.cache_arg import cache_kwargs
+    from fxbudget.cache.keyword import cache_kwargs
 
     setup_threads(1)
     tune_malloc()

@@ -87,7 +87,7 @@ def _child(side: str, n: int, a) -> dict:
     from transformers import DynamicCache
 
     import fxbudget
-    from fxbudget.cache_arg import cache_kwargs
+    from fxbudget.cache.keyword import cache_kwargs
     from fxbudget.models import load_default
 
     torch.set_num_threads(a.threads)

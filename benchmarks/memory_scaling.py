@@ -6,7 +6,7 @@
     head dim 64, fp32; 4 layers by default, the model has 24: KV bytes scale with layers, the kernel's per-call
     scratch does not), random q/k/v drawn chunk by chunk from a seeded generator (so the input never
     grows with the context). fxbudget: `BudgetCache` (budget 1024) + the shared budget attention kernel, EAGER path
-    (`fxbudget.eager.BudgetAttentionMode`, rule snapkv), context fed in prefill chunks through the kernel, so it
+    (`fxbudget.passes.eager.BudgetAttentionMode`, rule snapkv), context fed in prefill chunks through the kernel, so it
     evicts as it goes. Full cache: transformers' `DynamicCache` + SDPA (`enable_gqa=True`); its prefill only writes
     the keys/values (no prefill attention: with a 32K context that alone would take tens of minutes here), so its
     peak is a lower bound of a real full-cache prefill. Decode: one new token through all layers; fxbudget's cache
@@ -123,8 +123,8 @@ def _rand(gen, layers: int, n: int, with_q: bool = True):
 
 
 def _budget_mode(rule_name: str):
-    from fxbudget.backend import kernel_window
-    from fxbudget.eager import BudgetAttentionMode
+    from fxbudget.compiler.backend import kernel_window
+    from fxbudget.passes.eager import BudgetAttentionMode
     from fxbudget.rules import get
 
     rule = get(rule_name)
@@ -234,7 +234,7 @@ def _model_child(kind: str, ctx: int, a) -> dict:
     from transformers import DynamicCache
 
     import fxbudget
-    from fxbudget.cache_arg import cache_name
+    from fxbudget.cache.keyword import cache_name
     from fxbudget.harness.tasks import passkey
     from fxbudget.models import load_default
 
@@ -284,7 +284,7 @@ def _model_decode_child(contexts: list[int], a) -> dict:
     from transformers import DynamicCache
 
     import fxbudget
-    from fxbudget.cache_arg import cache_name
+    from fxbudget.cache.keyword import cache_name
     from fxbudget.models import load_default
 
     torch.set_num_threads(1)

@@ -60,7 +60,7 @@ def main() -> None:
         args.samples, args.tokens, args.rules, args.budgets = 2, 300, "full,snapkv", "128"
     setup_threads(1)
     tune_malloc()
-    from fxbudget.devices import resolve
+    from fxbudget.models.devices import resolve
 
     place = resolve(args.device, args.dtype)  # an absent GPU or a bad name stops here, before any model work
     info = env_info(place.device)

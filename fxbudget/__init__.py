@@ -14,9 +14,9 @@ __version__ = "0.1.0"
 
 # name -> module that defines it (imported on first access, PEP 562)
 _LAZY = {
-    "BudgetCache": "cache", "BudgetForward": "api", "NoBudgetAttentionError": "backend",
+    "BudgetCache": "cache", "BudgetForward": "api", "NoBudgetAttentionError": "compiler.backend",
     "budget_attention": "kernel", "compile": "api", "frozen_runner": "api", "inspect": "api",
-    "kernel_fingerprint": "api", "make_backend": "backend",
+    "kernel_fingerprint": "api", "make_backend": "compiler.backend",
 }
 
 __all__ = [*sorted(_LAZY), "rules"]

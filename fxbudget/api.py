@@ -1,5 +1,5 @@
 """`fxbudget.compile` and `fxbudget.frozen_runner`: the public entry points (`fxbudget.inspect` and
-`fxbudget.kernel_fingerprint` live in `fxbudget.fingerprint`, the wrapped forward in `fxbudget.forward`; their names
+`fxbudget.kernel_fingerprint` live in `fxbudget.fairness.fingerprint`, the wrapped forward in `fxbudget.compiler.forward`; their names
 stay importable from here)."""
 
 from __future__ import annotations
@@ -9,19 +9,19 @@ from typing import Any, Callable
 
 from torch import fx, nn
 
-from .architectures import check_model
-from .backend import INNER_BACKENDS, make_backend
-from .buckets import bucket_length  # noqa: F401  (re-export)
-from .cache import BudgetCache  # noqa: F401  (re-export)
+from .models.architectures import check_model
+from .compiler.backend import INNER_BACKENDS, make_backend
+from .compiler.buckets import bucket_length  # noqa: F401  (re-export)
+from .cache.budget_cache import BudgetCache  # noqa: F401  (re-export)
 from .checks import check_int
-from .fingerprint import captured_graphs as _captured_graphs  # noqa: F401  (re-export)
-from .fingerprint import graph_fingerprint, inspect, kernel_fingerprint  # noqa: F401  (re-export)
-from .forward import ATTN_IMPLEMENTATION, BudgetForward  # noqa: F401  (re-export)
+from .fairness.fingerprint import captured_graphs as _captured_graphs  # noqa: F401  (re-export)
+from .fairness.fingerprint import graph_fingerprint, inspect, kernel_fingerprint  # noqa: F401  (re-export)
+from .compiler.forward import ATTN_IMPLEMENTATION, BudgetForward  # noqa: F401  (re-export)
 from .kernel import DEFAULT_BLOCK, check_block
-from .model_rope import rope_refusal_for
-from .model_cache import (  # noqa: F401  (re-export)
+from .cache.rope import rope_refusal_for
+from .cache.for_model import (  # noqa: F401  (re-export)
     check_rule_budget, layer_devices, model_cache, output_projections, resolve_head_pool)
-from .regions import compiled_forward
+from .compiler.regions import compiled_forward
 from .rules import Rule, get
 
 
@@ -62,7 +62,7 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
     The model is modified in place (its `forward` is wrapped) and returned; `model.forward.restore()` undoes it.
     Every rule runs the same kernel; only its scoring ops differ. Inference only: the wrapped forward always runs
     without autograd (under `torch.no_grad()`), also when called in grad mode. Compiled, every call length is
-    bucketed (`fxbudget.buckets`): any sequence of lengths up to 128K tokens serves with at most 49 graphs per
+    bucketed (`fxbudget.compiler.buckets`): any sequence of lengths up to 128K tokens serves with at most 49 graphs per
     compiled region (one decoder-layer configuration) and eviction mode.
 
     Args:

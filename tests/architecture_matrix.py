@@ -109,7 +109,7 @@ def rope_check(model) -> str:
     `model_cache` builds it) are the model's own (those of a rotary-embedding buffer of the same length, partial
     rotary included), or unknown (NaN): never different."""
     import fxbudget
-    from fxbudget.model_rope import model_rope
+    from fxbudget.cache.rope import model_rope
 
     theirs = [b for n, b in model.named_buffers() if n.endswith("inv_freq") and "original" not in n]
     known = False
@@ -157,7 +157,7 @@ def run_one(model_type: str, cls_name: str, backends=(None, "aot_eager")) -> Res
     import copy
 
     import fxbudget
-    from fxbudget.architectures import describe
+    from fxbudget.models.architectures import describe
 
     t0 = time.perf_counter()
     res = Result(model_type, cls_name, "")

@@ -11,7 +11,7 @@ from hypothesis import settings
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, \
     MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from fxbudget.cache_arg import cache_kwargs, output_cache
+from fxbudget.cache.keyword import cache_kwargs, output_cache
 
 torch.set_num_threads(1)  # on 2 cores, OpenMP spinning makes everything slower
 

@@ -9,7 +9,7 @@ import torch
 
 import fxbudget
 from architecture_matrix import NAMED, REFUSALS, TOL, backends_for, build, causal_lm_types, run_one
-from fxbudget.layer_config import UnsupportedArchitectureError, rope_inv_freq
+from fxbudget.models.layer_config import UnsupportedArchitectureError, rope_inv_freq
 
 MATRIX = sorted(causal_lm_types().items())
 

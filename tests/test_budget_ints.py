@@ -5,13 +5,13 @@ import torch
 
 import fxbudget
 from conftest import fresh, tiny_model
-from fxbudget.backend import make_backend
-from fxbudget.cache_arg import cache_kwargs
-from fxbudget.fingerprint import _maskless_attention
-from fxbudget.model_cache import model_cache
+from fxbudget.compiler.backend import make_backend
+from fxbudget.cache.keyword import cache_kwargs
+from fxbudget.fairness.fingerprint import _maskless_attention
+from fxbudget.cache.for_model import model_cache
 from fxbudget.passes import sdpa
 from fxbudget.passes.sdpa import INTS_KEY, BudgetInt
-from fxbudget.regions import whole_model_forward
+from fxbudget.compiler.regions import whole_model_forward
 
 
 def _counting_traces(monkeypatch) -> list[int]:

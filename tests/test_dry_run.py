@@ -6,7 +6,7 @@ from argparse import Namespace
 
 import pytest
 
-from fxbudget import devices
+from fxbudget.models import devices
 from fxbudget.cli import main
 from fxbudget.cli.preflight import UsageError, placement
 

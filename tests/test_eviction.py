@@ -203,8 +203,8 @@ def _full_layer(budget: int, seed: int = 0):
 def test_inductor_layer_evicts_like_eager(rule):
     # Every rule compiled by Inductor with eviction, at layer level (one small graph each): the same kept slots,
     # state and output as the eager kernel.
-    from fxbudget.backend import kernel_window, make_backend
-    from fxbudget.eager import BudgetAttentionMode
+    from fxbudget.compiler.backend import kernel_window, make_backend
+    from fxbudget.passes.eager import BudgetAttentionMode
 
     params = {"snapkv": {"window": 2}, "pyramidkv": {"window": 2}}.get(rule, {})
     eager_cache, call = _full_layer(8)

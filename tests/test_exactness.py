@@ -5,7 +5,7 @@ import torch
 
 import fxbudget
 from conftest import fresh, greedy, tiny_model
-from fxbudget.cache_arg import output_cache
+from fxbudget.cache.keyword import output_cache
 
 # kvzip evicts only in its replay protocol: its covering budget is tested in tests/test_kvzip.py
 RULES = [r for r in fxbudget.rules.available() if not fxbudget.rules.get(r).replay_only]

@@ -1,4 +1,4 @@
-"""Kernel fingerprints cached on disk (`fxbudget.fingerprint_cache`): served again for the same model, rule, code and
+"""Kernel fingerprints cached on disk (`fxbudget.fairness.fingerprint_store`): served again for the same model, rule, code and
 versions; traced again when any of them changes, when an entry is damaged, and never from a half-written file."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 import fxbudget
 from conftest import COMMON, tiny_model
-from fxbudget import fingerprint_cache as fc
+from fxbudget.fairness import fingerprint_store as fc
 from fxbudget.cli import main
 from fxbudget.harness import runner
 from fxbudget.harness.report import load_rows
@@ -91,7 +91,7 @@ import json, sys
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 import fxbudget
-from fxbudget import fingerprint_cache as fc
+from fxbudget.fairness import fingerprint_store as fc
 from fxbudget.rules import get as get_rule
 torch.manual_seed(0)
 model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, **json.loads(sys.argv[1]))).eval()
@@ -261,7 +261,7 @@ def test_compare_rows_say_whether_the_fingerprint_was_cached(tiny_dir, tmp_path,
 
 
 def test_inspect_reads_the_fingerprint_compare_cached(tiny_dir, tmp_path, monkeypatch, capsys):
-    from fxbudget import graph_summary
+    from fxbudget.fairness import graph_summary
 
     calls = []
     real = graph_summary.kernel_fingerprint
@@ -308,7 +308,7 @@ _KEY_SCRIPT = """
 import json, sys
 import torch._dynamo.config as dynamo_config
 from transformers import Qwen2Config, Qwen2ForCausalLM
-from fxbudget import fingerprint_cache as fc
+from fxbudget.fairness import fingerprint_store as fc
 from fxbudget.rules import get
 model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, **json.loads(sys.argv[1]))).eval()
 sets = [k for k, v in sorted(dynamo_config.get_config_copy().items()) if isinstance(v, (set, frozenset))]

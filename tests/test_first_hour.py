@@ -23,7 +23,7 @@ from fxbudget.harness import protocol_note
 from fxbudget.harness.grid import Grid, Unit
 from fxbudget.harness.report import load_rows
 from fxbudget.harness.tasks import TASK_FILE_FIELDS, TASKS, Sample
-from fxbudget.rule_probe import signal_names, signals_read
+from fxbudget.kernel.probe import signal_names, signals_read
 from fxbudget.rules import available, get
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,7 +169,7 @@ def test_protocol_note_is_derived_from_what_rules_read():
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_cache_bytes_match_the_caches_themselves(arch):
     from fxbudget.harness.measure import kv_bytes
-    from fxbudget.cache_arg import output_cache
+    from fxbudget.cache.keyword import output_cache
 
     model = tiny_model(arch)
     budget, headroom = 40, 64

@@ -6,7 +6,7 @@ import torch
 
 import fxbudget
 from conftest import fresh, tiny_model
-from fxbudget.forward import BudgetForward
+from fxbudget.compiler.forward import BudgetForward
 
 
 def test_restore_twice_is_a_clear_error():
@@ -31,7 +31,7 @@ def test_restore_twice_is_a_clear_error():
 
 @pytest.mark.parametrize("rule", ["snapkv", "h2o"])
 def test_inspect_prints_the_fingerprint_compare_records(rule):
-    from fxbudget.graph_summary import summary
+    from fxbudget.fairness.graph_summary import summary
 
     model = tiny_model("qwen2")
     ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(0))  # as `fxbudget inspect` traces
@@ -44,7 +44,7 @@ def test_inspect_prints_the_fingerprint_compare_records(rule):
 
 
 def test_printed_kernel_marks_the_rule_region():
-    from fxbudget.graph_summary import RULE_BEGIN, RULE_END, summary
+    from fxbudget.fairness.graph_summary import RULE_BEGIN, RULE_END, summary
 
     model = tiny_model("qwen2")
     text = summary(model, torch.randint(0, 96, (1, 16)), rule="snapkv", budget=8)

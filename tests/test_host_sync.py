@@ -149,7 +149,7 @@ def step_syncs(backend, mask: bool, arch: str = "qwen3") -> tuple[list[str], lis
 
 @pytest.mark.parametrize("mask", [False, True])
 def test_compiled_decode_step_has_no_host_sync(mask):
-    # The mask generate() passes every step is not read back in a decode step (fxbudget.positions).
+    # The mask generate() passes every step is not read back in a decode step (fxbudget.compiler.positions).
     calls, _ = step_syncs("aot_eager", mask)
     assert calls == []
 

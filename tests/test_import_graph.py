@@ -1,4 +1,5 @@
-"""fxbudget's module import graph has no cycle (issue 29), function-level (lazy) imports included; and the kernel
+"""fxbudget's module import graph has no cycle (issue 29), function-level (lazy) imports included; the packages are
+layered (issue 40: each imports only the packages below it, as each `__init__` docstring says); and the kernel
 imports no rule: only the rule interface (`rules.base`)."""
 
 from __future__ import annotations
@@ -88,6 +89,61 @@ def test_the_kernel_imports_no_rule():
     graph = import_graph()
     kernel = sorted(m for m in graph if m == "fxbudget.kernel" or m.startswith("fxbudget.kernel."))
     assert len(kernel) >= 10 and "fxbudget.kernel.pipeline" in kernel
-    for mod in kernel + ["fxbudget.passes.sdpa"]:
+    for mod in kernel + ["fxbudget.passes.sdpa", "fxbudget.passes.eager"]:
         rules = {m for m in graph[mod] if m.startswith("fxbudget.rules")}
         assert rules <= {"fxbudget.rules", "fxbudget.rules.base"}, (mod, rules)
+
+
+# Which fxbudget packages (or root modules) each may import, besides itself: imports flow one way,
+# rules <- kernel <- passes <- cache <- compiler <- fairness <- api <- harness <- lmeval / cli <- demo.
+# "fxbudget" is the package's own `__init__` (its version); a module not listed here fails the test until it is.
+_BELOW_API = {"fairness", "compiler", "cache", "passes", "kernel", "rules", "models", "checks"}
+MAY_IMPORT = {
+    "checks": set(),
+    "rules": {"checks"},
+    "models": {"checks"},
+    "kernel": {"rules", "checks"},  # rules.base only: test_the_kernel_imports_no_rule
+    "passes": {"kernel", "rules", "checks"},
+    "cache": {"passes", "kernel", "rules", "models", "checks"},
+    "compiler": {"cache", "passes", "kernel", "rules", "models", "checks"},
+    "fairness": {"compiler", "cache", "passes", "kernel", "rules", "models", "checks", "fxbudget"},
+    "api": _BELOW_API,
+    "harness": {"api", *_BELOW_API},
+    "lmeval": {"harness", "api", *_BELOW_API},
+    "cli": {"harness", "api", *_BELOW_API, "fxbudget"},
+    "demo": {"cli"},
+}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "fxbudget"
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for mod, targets in sorted(graph.items()):
+        if mod == "fxbudget":
+            continue
+        pkg = _package(mod)
+        if pkg not in MAY_IMPORT:
+            out.append(f"{mod}: its package {pkg!r} has no entry in MAY_IMPORT")
+            continue
+        out += [f"{mod} imports {t}" for t in sorted(targets)
+                if _package(t) != pkg and _package(t) not in MAY_IMPORT[pkg]]
+    return out
+
+
+def test_packages_import_only_below_them():
+    assert layering_violations(import_graph()) == []
+
+
+def test_a_planted_upward_import_is_found():
+    graph = {"fxbudget.kernel.pipeline": {"fxbudget.compiler.forward"}, "fxbudget.compiler.forward": set()}
+    assert layering_violations(graph) == ["fxbudget.kernel.pipeline imports fxbudget.compiler.forward"]
+
+
+def test_at_most_eight_root_modules():
+    """The root shows the architecture in rooms (issue 40): few modules beside the subpackages."""
+    root = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert len(root) <= 8, root

@@ -11,7 +11,7 @@ import fxbudget
 from conftest import fresh, tiny_model
 from fxbudget import kernel_fingerprint, rules
 from fxbudget.kernel import budget_attention
-from fxbudget.kvzip_protocol import REPEAT_PROMPT, compress, replay_ids, template_parts
+from fxbudget.harness.kvzip_protocol import REPEAT_PROMPT, compress, replay_ids, template_parts
 
 H, G, D = 2, 3, 8
 DT = torch.float64
@@ -181,7 +181,7 @@ def test_refused_outside_its_protocol():
     model = tiny_model("llama", layers=2)
     m = fxbudget.compile(fresh(model), rule="kvzip", budget=8, backend=None)
     ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
-    msg = "rule 'kvzip' scores a replay of the context and evicts only in its protocol: use fxbudget.kvzip_protocol"
+    msg = "rule 'kvzip' scores a replay of the context and evicts only in its protocol: use fxbudget.harness.kvzip_protocol"
     with pytest.raises(ValueError, match=msg), torch.no_grad():
         m(input_ids=ids)
     with pytest.raises(ValueError, match=msg), torch.no_grad():

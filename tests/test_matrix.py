@@ -27,7 +27,7 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llam
 
 import fxbudget
 from fxbudget.cache import LAYER_STATE
-from fxbudget.kvzip_protocol import compress
+from fxbudget.harness.kvzip_protocol import compress
 from fxbudget.rules import available, get, wrapper_prefixes
 from fxbudget.rules.pyramidkv import Pyramid
 

@@ -101,7 +101,7 @@ def test_compiled_decode_does_not_rewrite_the_cache():
 
     from torch._inductor.utils import run_and_get_code
 
-    from fxbudget.backend import make_backend
+    from fxbudget.compiler.backend import make_backend
 
     cfg = SimpleNamespace(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8, hidden_size=16)
     cache = fxbudget.BudgetCache(cfg, 41)

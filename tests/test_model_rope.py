@@ -13,7 +13,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import fxbudget
 from conftest import greedy
-from fxbudget.model_rope import model_rope, rope_refusal_for
+from fxbudget.cache.rope import model_rope, rope_refusal_for
 from fxbudget.rules.base import unrotate
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

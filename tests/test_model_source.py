@@ -6,9 +6,9 @@ from argparse import Namespace
 import pytest
 import torch
 
-from fxbudget import devices
+from fxbudget.models import devices
 from fxbudget.cli.preflight import UsageError, placement
-from fxbudget.model_source import DEFAULT_MODEL_NAME, resolve_model
+from fxbudget.models.source import DEFAULT_MODEL_NAME, resolve_model
 from fxbudget.models import load_model
 
 
@@ -24,14 +24,14 @@ def test_local_directory_gguf_and_default(tiny_dir, tmp_path):
 
 
 def test_hub_ids_online_are_left_to_the_hub(monkeypatch):
-    monkeypatch.setattr("fxbudget.model_source.hub_offline", lambda: False)
+    monkeypatch.setattr("fxbudget.models.source.hub_offline", lambda: False)
     src = resolve_model("Qwen/Qwen2.5-0.5B-Instruct", revision="abc123")
     assert (src.kind, src.location, src.name) == ("hub", "Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct@abc123")
     assert src.pretrained_kwargs() == {"revision": "abc123"}  # no trust_remote_code unless asked
 
 
 def test_offline_hub_id_missing_from_the_cache(monkeypatch, tmp_path):
-    monkeypatch.setattr("fxbudget.model_source.hub_offline", lambda: True)
+    monkeypatch.setattr("fxbudget.models.source.hub_offline", lambda: True)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(ValueError, match=r"not in the Hugging Face cache .*offline \(HF_HUB_OFFLINE\)"):
         resolve_model("someorg/absent-model")

@@ -1,5 +1,5 @@
 """No recompile wall (issue 20 item 4): every call length is bucketed, so any sequence of prompt lengths serves with
-a bounded number of graphs (`fxbudget.buckets.MAX_GRAPHS_PER_REGION`), and the bucketed runs equal the eager path."""
+a bounded number of graphs (`fxbudget.compiler.buckets.MAX_GRAPHS_PER_REGION`), and the bucketed runs equal the eager path."""
 
 import torch
 
@@ -35,7 +35,7 @@ LENGTHS = (1, 2, 3, 4, 5, 6, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 3
 
 
 def test_thirty_lengths_serve_with_bounded_graphs_and_equal_eager():
-    from fxbudget.buckets import bucket_length, bucket_set
+    from fxbudget.compiler.buckets import bucket_length, bucket_set
 
     assert len(set(LENGTHS)) == 30
     model = tiny_model("qwen3")

@@ -12,7 +12,7 @@ from fxbudget import rules
 from fxbudget.kernel import budget_attention
 from fxbudget.kernel import TOTALED
 from conftest import fresh, tiny_model
-from fxbudget.cache_arg import output_cache
+from fxbudget.cache.keyword import output_cache
 
 
 def _kept_after_one_call(rule, budget, n=20, seed=0):

@@ -1,4 +1,4 @@
-"""The SDPA call's arguments mean the same on the eager path and through the graph pass (`fxbudget/sdpa_args.py`):
+"""The SDPA call's arguments mean the same on the eager path and through the graph pass (`fxbudget/passes/sdpa_args.py`):
 dropout and any attn_mask are refused, `scale` is honoured (torch takes it by keyword only)."""
 
 import pytest

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fxbudget import compile as fx_compile
-from fxbudget.cache_arg import output_cache
+from fxbudget.cache.keyword import output_cache
 from fxbudget.cli import main
 from fxbudget.harness import shared_context as S
 from fxbudget.harness.grid import Grid

@@ -7,7 +7,7 @@ import torch
 
 import fxbudget
 from fxbudget import rules
-from fxbudget.backend import kernel_window
+from fxbudget.compiler.backend import kernel_window
 from fxbudget.harness.report import markdown
 from fxbudget.harness.runner import Grid
 
@@ -116,7 +116,7 @@ def test_layer_windows_follow_the_mask_code():
     """Which layers slide, read as each model's own mask code decides it."""
     from transformers import MistralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3MoeConfig
 
-    from fxbudget.layer_config import layer_windows
+    from fxbudget.models.layer_config import layer_windows
 
     assert layer_windows(MistralConfig(num_hidden_layers=3, sliding_window=4096)) == (4096,) * 3
     assert layer_windows(MistralConfig(num_hidden_layers=3, sliding_window=None)) == (0,) * 3

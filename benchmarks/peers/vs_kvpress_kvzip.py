@@ -66,7 +66,7 @@ def _fxbudget(contexts: list, budget: int) -> tuple[list, dict]:
     import transformers
 
     import fxbudget
-    from fxbudget.kvzip_protocol import compress, replay_ids, template_parts
+    from fxbudget.harness.kvzip_protocol import compress, replay_ids, template_parts
     from fxbudget.models import load_default
 
     torch.set_num_threads(1)
@@ -94,7 +94,7 @@ def _explain(contexts: list, budget: int, n_sink: int = 4) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fxbudget.kvzip_protocol import replay_ids, template_parts
+    from fxbudget.harness.kvzip_protocol import replay_ids, template_parts
     from fxbudget.models import default_cache_dir
 
     tok = AutoTokenizer.from_pretrained(default_cache_dir())

@@ -14,6 +14,8 @@ Modules: `parser` (the options), `preflight` (what is checked before a model loa
 (`compare`, `search`, `info`: report, rules, tasks, inspect), `names` (rule, task, protocol and dtype names),
 `sizes` (the size checks and the time estimate) and `rules_table`. torch and transformers are imported by the
 commands that need them, not here.
+
+May import every package (`harness`, `api` and all below them); nothing imports it but `demo`.
 """
 
 from __future__ import annotations

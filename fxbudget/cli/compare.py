@@ -21,7 +21,7 @@ def _setup_threads(threads: int | None) -> None:
 
 
 def _cached_note(cached: dict[str, bool]) -> str:
-    """` (2 of 3 read from the cache)`: how many of the run's kernel fingerprints `fingerprint_cache` served."""
+    """` (2 of 3 read from the cache)`: how many of the run's kernel fingerprints `fairness.fingerprint_store` served."""
     return f" ({sum(cached.values())} of {len(cached)} read from the cache)" if cached else ""
 
 

@@ -70,7 +70,7 @@ def cmd_inspect(args) -> int:
     """`fxbudget inspect`: the rewritten attention of a model (one layer's kernel, or every layer)."""
     import torch
 
-    from ..graph_summary import summary
+    from ..fairness.graph_summary import summary
     from ..models import load_model
 
     from .names import rule_name

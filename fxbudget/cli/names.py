@@ -4,7 +4,7 @@ name is refused in one line with the nearest known one ("did you mean ...?", `di
 
 from __future__ import annotations
 
-from ..near import nearest
+from ..checks import nearest
 from .errors import UsageError
 
 # Short names of the dtypes, as other tools spell them.
@@ -114,7 +114,7 @@ def protocol_names(names: list[str]) -> list[str]:
 def dtype_name(name: str | None) -> str | None:
     """The dtype `name` means: `bfloat16`, `float16`, `float32`, or a short name of one (`bf16`, `fp16`, `half`,
     `fp32`), case-insensitive, `torch.` prefix allowed."""
-    from ..devices import DTYPES
+    from ..models.devices import DTYPES
 
     if name is None:
         return None

@@ -85,7 +85,7 @@ def _joined(values) -> str:
 
 def _model_options(c) -> None:
     """Which model, on what device, in what dtype: `compare`, `search` and `inspect`."""
-    from ..devices import DEVICES, DTYPES
+    from ..models.devices import DEVICES, DTYPES
 
     c.add_argument("--model", default=None, help="a local HF model directory, a .gguf file or a hub id such as "
                    "Qwen/Qwen2.5-0.5B-Instruct (through the HF cache; HF_HUB_OFFLINE=1: the cache only) (default: "

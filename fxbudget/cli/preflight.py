@@ -84,14 +84,14 @@ def task_files(paths: list[str]) -> None:
 
 
 def rule_probes(grid) -> None:
-    """The dry run of every rule of the grid (`fxbudget.rule_probe`): a rule that reads a signal the kernel does not
+    """The dry run of every rule of the grid (`fxbudget.kernel.probe`): a rule that reads a signal the kernel does not
     measure, returns the wrong shape or fails is refused before anything is written.
 
     Raises:
         UsageError: one line naming the rule, the field and the valid names.
     """
     from ..harness.grid import REFERENCE
-    from ..rule_probe import RuleProbeError, signals_read
+    from ..kernel.probe import RuleProbeError, signals_read
     from ..rules import get
 
     for name in grid.rules:
@@ -104,14 +104,14 @@ def rule_probes(grid) -> None:
 
 
 def placement(args, *, ray: bool = False, names_only: bool = False):
-    """The resolved `--device` and `--dtype` (`fxbudget.devices.Placement`); with `ray`, only the names are checked
+    """The resolved `--device` and `--dtype` (`fxbudget.models.devices.Placement`); with `ray`, only the names are checked
     (the workers' devices are not this machine's) and the device follows `--gpus-per-worker`; with `names_only`
     (`--dry-run`), only the names too: the device as given (default cpu), the dtype its default on that device.
 
     Raises:
         UsageError: an unknown name, a GPU that is not here, a device that contradicts `--gpus-per-worker`.
     """
-    from .. import devices
+    from ..models import devices
     from .names import dtype_name
 
     args.dtype = dtype_name(args.dtype)  # bf16 -> bfloat16, ...; an unknown name refused with the nearest one
@@ -143,7 +143,7 @@ def model_source(args):
     Raises:
         UsageError: a path that is not there or not a model, an offline hub id missing from the cache.
     """
-    from ..model_source import resolve_model
+    from ..models.source import resolve_model
 
     try:
         return resolve_model(args.model, revision=getattr(args, "revision", None),

@@ -109,8 +109,8 @@ def kv_bytes(config, dtype: str, slots: int, *, budgeted: bool) -> int:
     """Bytes of keys and values a cache of `slots` entries per layer and KV head allocates: with `budgeted`, as
     `BudgetCache` allocates it (sliding-window layers: exactly their window); else as the unmodified model's own
     cache holds `slots` tokens (transformers' sliding layers keep at most `window - 1` of them)."""
-    from ..architectures import layer_shapes
-    from ..layer_config import layer_windows
+    from ..models.architectures import layer_shapes
+    from ..models.layer_config import layer_windows
 
     n_layers, kv_heads, head_dim, _, _ = layer_shapes(config)
     size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]

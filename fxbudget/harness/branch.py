@@ -16,9 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from ..api import compile as fx_compile
-from ..backend import kernel_window
-from ..cache import BudgetCache
-from ..eager import recording
+from ..compiler.backend import kernel_window
+from ..cache.budget_cache import BudgetCache
+from ..passes.eager import recording
 from ..kernel import (DEFAULT_BLOCK, DEFAULT_WINDOW, SIGNAL_NAMES, TOTALED, LayerConstants, attend, from_marker,
                       layout, select, signal_totals)
 from ..kernel.signals import TOKEN_SIGNALS

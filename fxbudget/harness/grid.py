@@ -90,7 +90,7 @@ class Grid:
             ValueError: a bad protocol, task, rule, hyperparameter, length, budget, sample count, backend or task
                 file line (naming the file and line); each message says what is valid.
         """
-        from ..backend import INNER_BACKENDS, kernel_window
+        from ..compiler.backend import INNER_BACKENDS, kernel_window
         from ..rules import get
 
         unknown = [p for p in self.protocols if p not in PROTOCOLS]

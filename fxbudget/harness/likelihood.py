@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from ..api import compile as fx_compile
-from ..cache import BudgetCache
-from ..cache_arg import cache_kwargs
+from ..cache.budget_cache import BudgetCache
+from ..cache.keyword import cache_kwargs
 from ..rules import Rule, get
 from .branch import SharedPrefill, branch
 

@@ -12,7 +12,7 @@ import torch
 import transformers
 from torch import nn
 
-from ..cache_arg import cache_kwargs, output_cache
+from ..cache.keyword import cache_kwargs, output_cache
 from .malloc import malloc_setting
 
 

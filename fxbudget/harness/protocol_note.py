@@ -2,7 +2,7 @@
 
 The default protocol is query-agnostic (kvpress's, DESIGN §6): the context is compressed before the question is
 seen. Rules that choose with the attention of the observation window (the latest queries of each call: `snapkv`,
-`tova`, `pyramidkv`, `chunkkv`, ...; found by a dry run of each rule's score, `fxbudget.rule_probe`, not by a list)
+`tova`, `pyramidkv`, `chunkkv`, ...; found by a dry run of each rule's score, `fxbudget.kernel.probe`, not by a list)
 were designed with the question in that window; under query-agnostic the window holds the context's last tokens,
 and on retrieval tasks they can score 0 where query-aware gives them 1. That is a fair comparison of what a rule can
 do without the question, not a broken rule; these notes say so where a reader looks:
@@ -38,7 +38,7 @@ def question_rules(rules: list[str], rule_params: dict | None = None) -> list[st
     """The rules among `rules` that choose with the observation window's attention (so were designed with the
     question in it): a dry run of each one's score; `full`, replay rules (kvzip, its own protocol) and names that are
     not registered here (a report of another session's `--rule-file` rule) left out."""
-    from ..rule_probe import RuleProbeError, reads_observation_window
+    from ..kernel.probe import RuleProbeError, reads_observation_window
     from ..rules import get
 
     out = []

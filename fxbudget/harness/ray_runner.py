@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..model_source import ModelSource, resolve_model
+from ..models.source import ModelSource, resolve_model
 from ..models import load_model
 from ..rules import get
 from . import results

@@ -144,7 +144,7 @@ def _header(rows: list[dict], sort: str) -> list[str]:
     first = rows[0]
     models = sorted({r["model"] for r in rows})
     prints = {r["kernel_fingerprint"] for r in rows if r.get("kernel_fingerprint")}
-    # Whether the fingerprints were traced by the run or read from `fingerprint_cache` (older rows say neither).
+    # Whether the fingerprints were traced by the run or read from `fairness.fingerprint_store` (older rows say neither).
     cached = frozenset({r.get("fingerprint_cached") for r in rows if r.get("kernel_fingerprint")} - {None})
     source = {frozenset({True}): "; read from the fingerprint cache", frozenset({False}): "; traced by this run",
               frozenset({True, False}): "; some read from the fingerprint cache"}.get(cached, "")

@@ -39,10 +39,10 @@ from torch import nn
 
 from ..api import BudgetForward, frozen_runner, kernel_fingerprint
 from ..api import compile as fx_compile
-from ..backend import kernel_window
-from ..cache_arg import output_cache
-from ..fingerprint_cache import cached_kernel_fingerprint
-from ..kvzip_protocol import compress, replay_ids, template_parts
+from ..compiler.backend import kernel_window
+from ..cache.keyword import output_cache
+from ..fairness.fingerprint_store import cached_kernel_fingerprint
+from .kvzip_protocol import compress, replay_ids, template_parts
 from ..rules import get
 from . import results
 from .branch import branch, shared_prefill
@@ -152,7 +152,7 @@ class Runner:
         self._pool = {"head_pool": True} if self.layout == "head-pool" else {}
         self.eos = eos_ids(model, tokenizer) if model is not None else set()
         self._fingerprints: dict[str, str] = {}
-        self.fingerprint_cached: dict[str, bool] = {}  # rule -> read from disk, not traced (`fingerprint_cache`)
+        self.fingerprint_cached: dict[str, bool] = {}  # rule -> read from disk, not traced (`fairness.fingerprint_store`)
         self._samples: dict = dict(samples or {})  # from build_samples, or built as the units run
         self._forwards: dict[tuple, BudgetForward] = {}  # (rule, params, budget) -> forward, reused across samples
         # (window, budget, block) -> compiled runner of frozen calls shared by every rule, and the graphs it compiled

@@ -26,8 +26,8 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-from ..cache import BudgetCache
-from ..cache_arg import cache_kwargs
+from ..cache.budget_cache import BudgetCache
+from ..cache.keyword import cache_kwargs
 from .likelihood import answer_logprobs, scratch
 from .measure import Clock, greedy, kv_bytes
 from .tasks import Sample, answer_ids, chat_ids, followup_ids, requests

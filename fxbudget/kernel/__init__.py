@@ -16,9 +16,14 @@ cached); the layouts (per-head slots, the head pool) are objects behind one prot
 Adding a signal: a `Signals` field (`rules/base.py`, with `PER_CANDIDATE` metadata if it is one value per
 candidate) and its computation in `measure.py`; a signal of a token alone (cached with its entry) is instead an
 entry of `signals.TOKEN_SIGNALS` (docs/rules.md shows the recipe).
+
+Beside the phases: the marker op that links an attention call to its cache slots (`marker.py`), what a rule may do
+inside the kernel (`contract.py`) and a rule's dry run against that contract (`probe.py`).
+
+May import: `rules.base` (the rule interface, no rule), `checks`.
 """
 
-from ..rule_contract import RuleContractError
+from .contract import RuleContractError
 from .evict import evict
 from .layouts import HEAD_POOL, PER_HEAD, Layout, head_view, layout
 from .measure import measure, signal_totals

@@ -1,6 +1,6 @@
 """The one pipeline: `measure` -> rule region -> `evict`, on either layout, for one layer and one call.
 
-Every caller runs these three phase functions and nothing else: the eager path (`fxbudget.eager`, through
+Every caller runs these three phase functions and nothing else: the eager path (`fxbudget.passes.eager`, through
 `attend`), the SDPA pass (`fxbudget.passes.sdpa` traces each phase with `make_fx` and splices it into the graph),
 shared-prefill branching (`harness.branch`: the rule region and `evict` on recorded signals, through `select`),
 likelihood scratch calls and kvzip's replay (both run the model, so the eager path or a compiled graph).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..rule_contract import NoMutation, check_output
+from .contract import NoMutation, check_output
 from ..rules.base import Rule, Signals
 from .evict import _order_key, _top_indices
 
@@ -17,7 +17,7 @@ def rule_region(rule: Rule, budget: int, window: int, signals: dict[str, Tensor]
 
     Protected candidates score +inf and empty slots -inf, so selection needs nothing else from the rule.
     The rule must not write any tensor it is handed (refused, naming the op) and must return a floating score of
-    exactly the candidates' shape (refused otherwise; `rule_contract`). A NaN score (either sign) ranks lowest among
+    exactly the candidates' shape (refused otherwise; `kernel.contract`). A NaN score (either sign) ranks lowest among
     real candidates, like -inf, and still above empty slots (ties go to the newer position; an empty slot is older than any token). Scores are
     cast to the signals' dtype (float32, float64 for float64 inputs) and ranked in float32 by `evict`: scores that
     differ only beyond float32's precision tie, and the newer candidate wins.

@@ -71,7 +71,7 @@ SIGNAL_NAMES = tuple(f.name for f in fields(Signals) if f.name not in ("budget",
 TOTALED = tuple(f.name for f in fields(Signals) if f.metadata.get("per_candidate"))
 assert set(TOKEN_SIGNALS) <= set(TOTALED), "a per-token signal is a per-candidate Signals field"
 
-# The marker op's tensor arguments (`fxbudget.marker.candidates`), in order: the slots, the new tokens, the constants.
+# The marker op's tensor arguments (`fxbudget.kernel.marker.candidates`), in order: the slots, the new tokens, the constants.
 MARKER_TENSORS = SLOT_FIELDS + ("k_new", "v_new", "new_pos", "inv_freq", "wo")
 
 

@@ -6,6 +6,8 @@ lm-eval, so `lm_eval.simple_evaluate(model="fxbudget", model_args=...)` works af
 0.4.13 discovers no plugins; later releases find it through the `lm_eval.models` entry point, so plain
 `lm_eval --model fxbudget` works there). Without lm-eval, this package still imports (the rest of fxbudget never
 needs it) and `FxBudgetLM` raises an ImportError naming the extra.
+
+May import: `harness`, `api` and every package below them.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from tqdm import tqdm
 
 from ..api import kernel_fingerprint
-from ..fingerprint_cache import cached_kernel_fingerprint
+from ..fairness.fingerprint_store import cached_kernel_fingerprint
 from ..harness.runner import budget_fraction
 from ..harness.tasks.ruler import find_question
 from . import loading

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backend import INNER_BACKENDS, kernel_window
+from ..compiler.backend import INNER_BACKENDS, kernel_window
 from ..checks import check_int
 from ..harness.likelihood import PROTOCOLS
 from ..harness.runner import budget_fraction
@@ -141,7 +141,7 @@ def parse(args: dict) -> Options:
         raise ModelArgsError(f"fxbudget model_args: {e}") from None
     if rule.replay_only:
         raise ModelArgsError(f"fxbudget model_args: rule={rule_name} evicts only in its own replay protocol "
-                             "(fxbudget.kvzip_protocol), which lm-eval's requests do not run; compare it with "
+                             "(fxbudget.harness.kvzip_protocol), which lm-eval's requests do not run; compare it with "
                              f"`fxbudget compare --rules {rule_name} --protocol query-agnostic`")
     marker = args.pop("question_marker", None)
     if marker is not None:

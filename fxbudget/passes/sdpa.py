@@ -25,12 +25,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
-from .. import cache  # noqa: F401  (importing cache registers the marker op)
+from ..kernel import marker  # noqa: F401  (importing it registers the marker op)
 from ..kernel import DEFAULT_BLOCK, MARKER_TENSORS, evict_phase, from_marker, layout, measure_phase, rule_phase
-from ..marker import NoBudgetAttentionError
-from ..rule_contract import RuleContractError, rule_name, storage_id, written_args
+from ..kernel.marker import NoBudgetAttentionError
+from ..kernel.contract import RuleContractError, rule_name, storage_id, written_args
 from ..rules.base import Rule
-from ..sdpa_args import bind, check
+from .sdpa_args import bind, check
 
 log = logging.getLogger("fxbudget")
 

@@ -4,6 +4,8 @@
 A rule is a dataclass (fields = hyperparameters) subclassing `Rule`, with a `score` over the kernel's `Signals`;
 one file per rule. Wrappers (`AdaKV` as `adakv:<rule>`, `Pyramid`) change how a rule's scores are spent and
 delegate everything else to the rule they wrap (`fxbudget.rules.wrapper`).
+
+May import: `checks` only (the kernel imports the rule interface, not the other way).
 """
 
 from __future__ import annotations

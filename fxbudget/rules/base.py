@@ -152,13 +152,13 @@ class Rule:
     name: ClassVar[str] = ""
     window: int | None = None
     never_evicts: ClassVar[bool] = False  # True for `full`: a call that would overflow the budget is an error
-    # True if `score` reads `inv_freq` (the model's own, `fxbudget.model_rope`): dynamic/LongRoPE and interleaved
+    # True if `score` reads `inv_freq` (the model's own, `fxbudget.cache.rope`): dynamic/LongRoPE and interleaved
     # rotation are refused
     needs_rope: ClassVar[bool] = False
     needs_wo: ClassVar[bool] = False  # True if `score` reads `wov_norm`: models whose W_o is not found are refused
     # True for rules that spread a layer's budget over its KV heads (`AdaKV`): they run on the head-pooled layout.
     head_adaptive: ClassVar[bool] = False
-    # True for rules that evict only in their own replay protocol (`kvzip`, `fxbudget.kvzip_protocol`): an evicting
+    # True for rules that evict only in their own replay protocol (`kvzip`, `fxbudget.harness.kvzip_protocol`): an evicting
     # call of plain generation is refused.
     replay_only: ClassVar[bool] = False
 

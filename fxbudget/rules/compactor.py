@@ -11,7 +11,7 @@ queries and keys, padded keys at logit -1e-9 (so they take a share of the softma
 uniformly; score = `blending` x leverage + attention, `blending = compression ratio` when None (kvpress's default;
 fxbudget's ratio is `1 - budget / positions seen`). Departures: the sketch is `leverage`'s fixed one; a cached entry
 (chunked prefill, decode) has no query in the call and attends with a zero query, like kvpress's padding; statistics are
-per batch row; kvpress supports prefill only. Needs the model's RoPE frequencies (`fxbudget.model_rope`: default,
+per batch row; kvpress supports prefill only. Needs the model's RoPE frequencies (`fxbudget.cache.rope`: default,
 llama3, YaRN, linear). `chunk_size` is kvpress's name; `fxbudget.compile`'s own `chunk_size` is the prefill's, so set
 this one on an instance: `rule=rules.get("compactor", chunk_size=128)`.
 """

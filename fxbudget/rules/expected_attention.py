@@ -8,7 +8,7 @@ multiplied by `||v|| (+ epsilon)` when `use_vnorm`; the first `n_sink` tokens ar
 Departures: the statistics come from this call's queries, un-rotated with the layer's RoPE frequencies (kvpress
 projects the prompt's hidden states through `W_q` and omits its bias; with chunked prefill, each chunk has its own
 statistics); the softmax runs over the candidates (cached entries and the call's tokens). Needs the model's RoPE
-frequencies, read off its rotary embedding (`fxbudget.model_rope`: default, llama3, YaRN, linear; partial rotary
+frequencies, read off its rotary embedding (`fxbudget.cache.rope`: default, llama3, YaRN, linear; partial rotary
 included: only the first `r` dims are un-rotated, `r = 2 * len(inv_freq)`); dynamic or LongRoPE scaling, and dims
 paired otherwise (interleaved, GLM), are refused when compiled.
 """

@@ -7,7 +7,7 @@ followed by the context itself (the replay); every cached context token scores t
 gets from any replay query and any query head of its KV group; the first `n_sink` positions are always kept; the
 cache is cut to the budget once, and the replay's own tokens are never kept.
 
-A protocol plus a rule: the rule only ranks a replay call's candidates (`fxbudget.kvzip_protocol.compress` runs the
+A protocol plus a rule: the rule only ranks a replay call's candidates (`fxbudget.harness.kvzip_protocol.compress` runs the
 context prefill with eviction frozen, the replay as one evicting call, then rewinds the positions so the question
 follows the context). Its score is `window_max_attn` (the kernel's max over the window's queries and the group) of
 the cached slots, and -inf for the call's own tokens, which therefore rank below every cached token: with at least
@@ -47,7 +47,7 @@ REPLAY_PROMPT_TOKENS = 64
 @register("kvzip")
 @dataclass
 class KVzip(Rule):
-    replay_only: ClassVar[bool] = True  # evicts only in `fxbudget.kvzip_protocol.compress`'s replay call
+    replay_only: ClassVar[bool] = True  # evicts only in `fxbudget.harness.kvzip_protocol.compress`'s replay call
     n_sink: int = 4
     kvzip_plus_normalization: bool = False
     chunk_size: int = 2048

@@ -11,7 +11,7 @@ of `seed`, the KV head and the indices (the same in every layer and call), where
 `torch.randn` per call (with `sketch_dimension >= head_dim` the leverage does not depend on the sketch); the
 Cholesky factorization keeps kvpress's first jitter (1e-2) and does not retry with more (a failed factorization
 gives NaN scores, which rank lowest); the z-score is per batch row (kvpress: over the batch); with chunked prefill
-or decode the statistics are over the call's candidates. Needs the model's RoPE frequencies (`fxbudget.model_rope`).
+or decode the statistics are over the call's candidates. Needs the model's RoPE frequencies (`fxbudget.cache.rope`).
 """
 
 from __future__ import annotations

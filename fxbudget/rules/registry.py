@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..near import nearest
+from ..checks import nearest
 from .base import Rule
 
 _REGISTRY: dict[str, type[Rule]] = {}

@@ -9,16 +9,16 @@ import hashlib
 import torch
 from torch import fx, nn
 
-from .backend import make_backend
-from .cache import BudgetCache
-from .cache_arg import cache_kwargs
-from .checks import check_int
-from .forward import ATTN_IMPLEMENTATION, BudgetForward
-from .kernel import DEFAULT_BLOCK, check_block
-from .model_cache import model_cache
-from .passes.sdpa import INTS_KEY, REGION_KEY
-from .regions import compiled_forward, whole_model_forward
-from .rules import Rule
+from ..compiler.backend import make_backend
+from ..cache.budget_cache import BudgetCache
+from ..cache.keyword import cache_kwargs
+from ..checks import check_int
+from ..compiler.forward import ATTN_IMPLEMENTATION, BudgetForward
+from ..kernel import DEFAULT_BLOCK, check_block
+from ..cache.for_model import model_cache
+from ..passes.sdpa import INTS_KEY, REGION_KEY
+from ..compiler.regions import compiled_forward, whole_model_forward
+from ..rules import Rule
 
 # What the fingerprint is traced on, whatever the caller inspects: an 8-token call of zeros, with a query block of
 # 4 (so the measure phase's loop over blocks is in it), then one decode step.

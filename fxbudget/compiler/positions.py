@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .cache import BudgetCache
+from ..cache.budget_cache import BudgetCache
 
 
 def call_positions(cache: BudgetCache, n: int, attention_mask: Tensor | None, position_ids: Tensor | None,

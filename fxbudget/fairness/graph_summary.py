@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from .backend import REWRITE_KEY
+from ..compiler.backend import REWRITE_KEY
 from .fingerprint import FINGERPRINT_COVERS, captured_graphs, kernel_fingerprint
-from .model_cache import model_cache
-from .passes.sdpa import REGION_KEY
-from .rules import Rule, get
+from ..cache.for_model import model_cache
+from ..passes.sdpa import REGION_KEY
+from ..rules import Rule, get
 
 
 def kernel_regions(gm: fx.GraphModule) -> list[list[fx.Node]]:
@@ -90,7 +90,7 @@ def summary(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
                  f"(not fed by a BudgetCache): {len(untouched)}{names}")
     # The one definition of the fingerprint, the value `compare` records (its own trace, whatever was inspected).
     if cached:
-        from .fingerprint_cache import cache_dir, cached_kernel_fingerprint
+        from .fingerprint_store import cache_dir, cached_kernel_fingerprint
 
         value, hit = cached_kernel_fingerprint(model, rule, budget=budget, compute=kernel_fingerprint)
         note = f" (read from the cache in {cache_dir()})" if hit else " (traced)"

@@ -29,16 +29,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import __version__
+from .. import __version__
 from .fingerprint import PROBE_BLOCK, PROBE_TOKENS, kernel_fingerprint
-from .models import default_cache_dir
-from .rules import Rule, get
+from ..models import default_cache_dir
+from ..rules import Rule, get
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when the key's layout or an entry's fields change
 SUBDIR = "fingerprints"
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parent.parent  # the fxbudget package
 # Subpackages the traced kernel never imports (tested: a fingerprint traced in a fresh process loads none of them):
 # editing them (the report, the CLI) keeps the cached fingerprints.
 NOT_TRACED = ("harness", "cli", "lmeval")
@@ -72,7 +72,7 @@ _IMPORTED_SOURCE = source_digest()
 
 
 def _file_digest(files: set[str]) -> dict[str, str]:
-    from .rules import _LOADED  # a rule file's bytes as loaded: what runs, even if the file changed since
+    from ..rules import _LOADED  # a rule file's bytes as loaded: what runs, even if the file changed since
 
     out = {}
     for name in sorted(files):

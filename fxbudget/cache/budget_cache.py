@@ -2,7 +2,7 @@
 
 Every tensor is allocated up front and only written in place, so a compiled graph sees the cache as graph inputs and
 never changes shape. `update()` does not attend or evict: it emits the marker op `fxbudget::candidates`
-(`fxbudget.marker`), whose arguments are everything the kernel needs; the SDPA pass (compiled path) or the eager
+(`fxbudget.kernel.marker`), whose arguments are everything the kernel needs; the SDPA pass (compiled path) or the eager
 interceptor (eager path) replaces the SDPA call fed by it with `budget_attention`.
 """
 
@@ -15,13 +15,13 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .checks import check_int
-from .eager import require_interceptor
-from .kernel.signals import TOKEN_SIGNALS, out_projection_factors, unknown_wo
-from .kernel.state import SLOT_FIELDS, TOTALED, LayerConstants, LayerSlots, NewTokens, marker_tensors
-from .architectures import layer_shapes
-from .layer_config import layer_inv_freq, layer_windows, text_config
-from .marker import MARKER_STATICS, MARKER_TENSORS, MarkerCall, candidates  # noqa: F401  (importers use cache's)
+from ..checks import check_int
+from ..passes.eager import require_interceptor
+from ..kernel.signals import TOKEN_SIGNALS, out_projection_factors, unknown_wo
+from ..kernel.state import SLOT_FIELDS, TOTALED, LayerConstants, LayerSlots, NewTokens, marker_tensors
+from ..models.architectures import layer_shapes
+from ..models.layer_config import layer_inv_freq, layer_windows, text_config
+from ..kernel.marker import MarkerCall  # importing it also registers the marker op `fxbudget::candidates`
 
 
 # Every tensor of a layer's state: what a call writes in place, and so what saving, restoring, branching and resetting
@@ -104,7 +104,7 @@ class BudgetLayer(CacheLayerMixin):
 
     def mark(self, key_states: Tensor, value_states: Tensor, layer: int) -> tuple[Tensor, Tensor]:
         """`update` with the layer index the marker carries: this layer's own, or -1 from a compiled region that
-        several layers share (`fxbudget.regions`: an index in the graph would make every layer a graph of its own).
+        several layers share (`fxbudget.compiler.regions`: an index in the graph would make every layer a graph of its own).
         The index only labels the call (the pass's report, the eager path's errors); the kernel never reads it."""
         b, _, n, _ = key_states.shape
         # Only a call longer than the slots is told the cache is empty (a static argument: a graph of its own): its
@@ -184,7 +184,7 @@ class BudgetLayer(CacheLayerMixin):
                 getattr(self, n).fill_(-1 if n == "pos" else 0)
 
 
-# Config reading lives in `fxbudget.layer_config` (each layer's window as transformers' mask code decides it, RoPE
+# Config reading lives in `fxbudget.models.layer_config` (each layer's window as transformers' mask code decides it, RoPE
 # frequencies with partial rotary); these names stay for importers.
 _layer_shapes = layer_shapes
 
@@ -195,7 +195,7 @@ class BudgetCache(Cache):
     Full-attention layers hold `budget + headroom` slots and evict down to `budget` on every call that overflows it
     (the rule decides which). Sliding-window layers hold exactly their window and are not budgeted: those of
     `config.layer_types`, or every layer under a model-wide `sliding_window` (Mistral, Phi-3, Starcoder2), as the
-    model's mask code decides (`fxbudget.layer_config.layer_windows`).
+    model's mask code decides (`fxbudget.models.layer_config.layer_windows`).
 
     Args:
         config: the model config (a transformers config, or any object with `num_hidden_layers`,
@@ -274,7 +274,7 @@ class BudgetCache(Cache):
         return all(layer.wo_known for layer in self._budgeted())
 
     def set_rope(self, entries: list) -> None:
-        """Attach each layer's RoPE as the model applies it (`fxbudget.model_rope.model_rope(model)`): per layer
+        """Attach each layer's RoPE as the model applies it (`fxbudget.cache.rope.model_rope(model)`): per layer
         `(inv_freq [r/2], attention_scaling)`; a str (why it is unknown) makes the layer's frequencies unknown (NaN);
         None keeps what the config gave. A cache built for a model (`model_cache`) takes them so; a cache built from
         a config alone knows default RoPE only. `has_rope` is recomputed over the budgeted layers.

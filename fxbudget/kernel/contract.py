@@ -10,7 +10,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .rules.base import Rule
+from ..rules.base import Rule
 
 
 class RuleContractError(RuntimeError):

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .kernel import DEFAULT_BLOCK, attend, from_marker
-from .marker import MARKER_TENSORS, NoBudgetAttentionError
-from .rules.base import Rule
+from ..kernel import DEFAULT_BLOCK, attend, from_marker
+from ..kernel.marker import MARKER_TENSORS, NoBudgetAttentionError
+from ..rules.base import Rule
 from .sdpa_args import bind, check
 
 _active = threading.local()

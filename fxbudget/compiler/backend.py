@@ -7,10 +7,10 @@ from typing import Callable
 import torch
 from torch import fx
 
-from .kernel import DEFAULT_BLOCK, DEFAULT_WINDOW
-from .marker import NoBudgetAttentionError
-from .passes.sdpa import rewrite
-from .rules import Rule, get
+from ..kernel import DEFAULT_BLOCK, DEFAULT_WINDOW
+from ..kernel.marker import NoBudgetAttentionError
+from ..passes.sdpa import rewrite
+from ..rules import Rule, get
 
 INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 REWRITE_KEY = "fxbudget_rewrite"  # gm.meta key of the pass's RewriteReport (layers rewritten, SDPA left alone)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .kernel.state import MARKER_TENSORS
+from .state import MARKER_TENSORS
 
 
 class NoBudgetAttentionError(RuntimeError):

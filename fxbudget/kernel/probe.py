@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .near import nearest
-from .rule_contract import NoMutation, RuleContractError, check_output, rule_name
-from .rules.base import Rule, Signals
+from ..checks import nearest
+from .contract import NoMutation, RuleContractError, check_output, rule_name
+from ..rules.base import Rule, Signals
 
 # The signals measured from the observation window (the last `window` queries of a call, or its last query).
 OBSERVATION_WINDOW_SIGNALS = ("window_attn", "last_attn", "window_max_attn")
@@ -91,7 +91,7 @@ def probe_signals(*, batch: int = 1, kv_heads: int = 2, group: int = 2, slots: i
 def _where(e: BaseException) -> str:
     """` (file:line)` of the last frame that raised `e` in the rule's code (not torch's, not this probe's), "" if
     none."""
-    skip = (str(Path(torch.__file__).parent), str(Path(__file__)), str(Path(__file__).with_name("rule_contract.py")))
+    skip = (str(Path(torch.__file__).parent), str(Path(__file__)), str(Path(__file__).with_name("contract.py")))
     frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)]
     return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 

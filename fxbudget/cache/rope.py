@@ -1,7 +1,7 @@
 """The RoPE frequencies rules read (`Signals.inv_freq`), taken from the model's own rotary embedding.
 
 A cache built from a config alone knows only default RoPE (`layer_config.rope_inv_freq`). A cache built for a model
-(`model_cache`, so `model.forward.new_cache()` and every compiled run) takes each layer's inverse frequencies from the
+(`cache.for_model`, so `model.forward.new_cache()` and every compiled run) takes each layer's inverse frequencies from the
 rotary embedding module the model applies, whatever its RoPE type computed them with (llama3 as in Llama-3.1, YaRN,
 linear, default, ...): the buffer transformers multiplies positions by, `rotary_emb.inv_freq`, or
 `rotary_emb.<layer_type>_inv_freq` for models that keep one per layer type (Gemma 3). Refused (None: rules that need
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .layer_config import (DYNAMIC_ROPE, layer_types, layer_windows, partial_rotary_factor, rope_inv_freq, rope_kind,
+from ..models.layer_config import (DYNAMIC_ROPE, layer_types, layer_windows, partial_rotary_factor, rope_inv_freq, rope_kind,
                            rope_refusal, text_config, uses_rope)
 
 

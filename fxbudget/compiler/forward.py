@@ -15,14 +15,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .backend import NoBudgetAttentionError, kernel_window, make_backend
 from .buckets import bucket_length, pad_left, unpad_outputs
-from .cache import BudgetCache
-from .cache_arg import cache_name, pick_cache
-from .eager import BudgetAttentionMode
-from .kernel import DEFAULT_BLOCK
-from .model_cache import check_cache, model_cache, resolve_head_pool
+from ..cache.budget_cache import BudgetCache
+from ..cache.keyword import cache_name, pick_cache
+from ..passes.eager import BudgetAttentionMode
+from ..kernel import DEFAULT_BLOCK
+from ..cache.for_model import check_cache, model_cache, resolve_head_pool
 from .positions import call_positions
 from .regions import compiled_forward
-from .rules import Rule, get
+from ..rules import Rule, get
 
 # transformers' own SDPA attention under a name it has no mask function for: models then build no 4-D mask (it
 # would be unused, since visibility comes from positions, and shaped as if every layer held as many slots as layer 0,
@@ -48,7 +48,7 @@ class BudgetForward:
 
     Compiled (a `backend`), every call of more than one token runs at a bucket length (`bucket`), padded on the left
     with fxbudget's own pads (position -1: never visible, never kept, not counted in `get_seq_length()` nor in the
-    rule's observation window), so that a bounded number of graphs serves every length (`fxbudget.buckets`: at most
+    rule's observation window), so that a bounded number of graphs serves every length (`fxbudget.compiler.buckets`: at most
     49 per compiled region for calls up to 128K tokens). `buckets` (default: `(chunk_size,)`) are the lengths tried
     first, so every prefill chunk runs at `chunk_size`.
 
@@ -78,7 +78,7 @@ class BudgetForward:
         self._advance: dict[tuple, torch.Tensor] = {}  # one tensor per call length and device: no copy per step
         self._sliding_rule = get("window")  # the rule of sliding-window layers (eager path)
         self._frozen_runner: Callable[..., Any] | None = None
-        # Set by a rule's own protocol around the one call it may evict in (`fxbudget.kvzip_protocol`): that call is
+        # Set by a rule's own protocol around the one call it may evict in (`fxbudget.harness.kvzip_protocol`): that call is
         # never split into chunks. A `replay_only` rule refuses every other evicting call.
         self.replaying = False
         if backend is None:
@@ -150,7 +150,7 @@ class BudgetForward:
 
     def bucket(self, n: int, *, frozen: bool = False) -> int:
         """The length a compiled call of `n` tokens runs at (`n` plus fxbudget's pads): `n` for a decode step,
-        else `fxbudget.buckets.bucket_length(n, self.buckets)`, short calls included (the rule's observation window
+        else `fxbudget.compiler.buckets.bucket_length(n, self.buckets)`, short calls included (the rule's observation window
         counts real tokens only, so the padding changes no score). `frozen` is accepted for callers of the old
         signature; frozen and evicting calls bucket alike."""
         return n if n <= 1 else bucket_length(n, self.buckets)
@@ -247,7 +247,7 @@ class BudgetForward:
         cache = self._resolve_cache(cache, batch, n)
         if self.rule.replay_only and not cache._frozen and not self.replaying:
             raise ValueError(f"rule {self.rule.name!r} scores a replay of the context and evicts only in its protocol: "
-                             f"use fxbudget.kvzip_protocol.compress(model, context_ids, replay_ids) to compress a "
+                             f"use fxbudget.harness.kvzip_protocol.compress(model, context_ids, replay_ids) to compress a "
                              f"context (calls under cache.frozen() are allowed), not plain generation")
         step = n if self.replaying else (self.chunk_size or n)
         chunks = [slice(i, min(i + step, n)) for i in range(0, n, step)]

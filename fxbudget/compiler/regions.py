@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from .buckets import MAX_GRAPHS_PER_REGION
-from .cache import BudgetCache, BudgetLayer
-from .cache_arg import NAMES as _CACHE_KWARGS  # `cache` from transformers 5.24 on, `past_key_values` before
+from ..cache.budget_cache import BudgetCache, BudgetLayer
+from ..cache.keyword import NAMES as _CACHE_KWARGS  # `cache` from transformers 5.24 on, `past_key_values` before
 
 _CODE_IDS = itertools.count()
 
@@ -44,7 +44,7 @@ def _compile(fn: Callable, backend) -> Callable:
 
 def _strict():
     """Past the recompile limit: an error, never a silent eager fallback (for fxbudget's own calls only). The limit
-    is the number of graphs the shape buckets can need (`fxbudget.buckets.MAX_GRAPHS_PER_REGION`), not Dynamo's 8:
+    is the number of graphs the shape buckets can need (`fxbudget.compiler.buckets.MAX_GRAPHS_PER_REGION`), not Dynamo's 8:
     a region serves every bucket of both eviction modes."""
     return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=MAX_GRAPHS_PER_REGION)
 
@@ -69,7 +69,7 @@ class LayerCacheView:
     marker gets -1, the same in every layer's trace).
 
     Only `update` is provided: a decoder layer that reads other cache attributes cannot be compiled per layer (pass
-    such a model through the whole-model path, `fxbudget.regions.whole_model_forward`)."""
+    such a model through the whole-model path, `fxbudget.compiler.regions.whole_model_forward`)."""
 
     def __init__(self, layer: BudgetLayer):
         self.layer = layer

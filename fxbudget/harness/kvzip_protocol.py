@@ -23,8 +23,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from .cache import BudgetCache
-from .forward import BudgetForward
+from ..cache.budget_cache import BudgetCache
+from ..compiler.forward import BudgetForward
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 
