@@ -29,7 +29,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import ROOT, analysis_link, command_line, env_info, header_lines, load_str, md_table, write_md  # noqa: E402
+from benchlib.env import ROOT, command_line, env_info, header_lines, load_str  # noqa: E402
+from benchlib.output import analysis_link, md_table, write_md  # noqa: E402
 
 PAIRS = (("adakv:snapkv", "snapkv"), ("adakv:expected_attention", "expected_attention"))
 RULES = "full," + ",".join(r for pair in PAIRS for r in pair)

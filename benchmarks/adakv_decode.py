@@ -23,8 +23,9 @@ import statistics
 import sys
 import time
 
-from _common import (analysis_link, command_line, emit, env_info, fmt_ratio, header_lines, load_str, md_table,
-                     paired_ratio, quartiles, setup_threads, tune_malloc)
+from benchlib.env import command_line, env_info, header_lines, load_str, setup_threads, tune_malloc
+from benchlib.timing import fmt_ratio, paired_ratio, quartiles
+from benchlib.output import analysis_link, emit, md_table
 
 CONFIGS = (("snapkv", "slots"), ("snapkv", "head-pool"), ("adakv:snapkv", "head-pool"))
 BACKENDS = ("eager", "inductor")

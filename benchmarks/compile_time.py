@@ -26,7 +26,10 @@ import sys
 import tempfile
 import time
 
-from _common import ROOT, bench_model, emit, header_lines, load_str, md_table, setup_threads, sync, tune_malloc
+from benchlib.env import ROOT, header_lines, load_str, setup_threads, tune_malloc
+from benchlib.timing import sync
+from benchlib.output import emit, md_table
+from benchlib.cases import bench_model
 
 
 def _cpu() -> float:

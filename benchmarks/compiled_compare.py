@@ -21,7 +21,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import command_line, emit, env_info, header_lines, md_table  # noqa: E402
+from benchlib.env import command_line, env_info, header_lines  # noqa: E402
+from benchlib.output import emit, md_table  # noqa: E402
 from demo_readme import run_demo  # noqa: E402
 
 from fxbudget.harness.results import read_rows  # noqa: E402

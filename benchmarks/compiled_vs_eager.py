@@ -18,8 +18,10 @@ import argparse
 import sys
 import time
 
-from _common import (LayerCase, analysis_link, emit, env_info, fmt_ratio, header_lines, interleaved, load_str,
-                     md_table, median_us, paired_ratio, setup_threads, tune_malloc)
+from benchlib.env import env_info, header_lines, load_str, setup_threads, tune_malloc
+from benchlib.timing import fmt_ratio, interleaved, median_us, paired_ratio
+from benchlib.output import analysis_link, emit, md_table
+from benchlib.cases import LayerCase
 
 GOAL = 3.0  # issue 5: compiled >= 3x faster than eager at the layer level
 

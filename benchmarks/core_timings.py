@@ -23,8 +23,9 @@ import sys
 import tempfile
 import time
 
-from _common import (ROOT, emit, env_info, fmt_ratio, header_lines, interleaved, load_str, md_table, paired_ratio,
-                     quartiles, setup_threads, tune_malloc)
+from benchlib.env import ROOT, env_info, header_lines, load_str, setup_threads, tune_malloc
+from benchlib.timing import fmt_ratio, interleaved, paired_ratio, quartiles
+from benchlib.output import emit, md_table
 
 
 def _child(budget: int, chunk: int, prompt: int, steps: int) -> dict:

@@ -46,7 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import ROOT, command_line, env_info, md_table, setup_threads, write_md
+from benchlib.env import ROOT, command_line, env_info, setup_threads
+from benchlib.output import md_table, write_md
 
 FORMAT = 1
 DEFAULT_LENGTHS = (2000, 8000)

@@ -33,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import ROOT, env_info, load_str  # noqa: E402
+from benchlib.env import ROOT, env_info, load_str  # noqa: E402
 
 # grid name -> (the `fxbudget compare` arguments after the demo's own defaults, where its files are kept)
 GRIDS = {

@@ -27,7 +27,9 @@ import sys
 import tempfile
 import time
 
-from _common import ROOT, emit, header_lines, load_str, md_table, setup_threads, timed, tune_malloc
+from benchlib.env import ROOT, header_lines, load_str, setup_threads, tune_malloc
+from benchlib.timing import timed
+from benchlib.output import emit, md_table
 
 
 def _model(quick: bool, device: str):

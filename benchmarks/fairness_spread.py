@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _common import (LayerCase, analysis_link, emit, env_info, fmt_ratio, header_lines, interleaved, load_str,
-                     md_table, median_us, paired_ratio, quartiles, setup_threads, tune_malloc, verdict)
+from benchlib.env import env_info, header_lines, load_str, setup_threads, tune_malloc
+from benchlib.timing import fmt_ratio, interleaved, median_us, paired_ratio, quartiles, verdict
+from benchlib.output import analysis_link, emit, md_table
+from benchlib.cases import LayerCase
 
 GOAL = 1.05  # issue 5: max/min latency across rules
 

@@ -21,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, command_line, env_info, header_lines, load_str, md_table, write_md
+from benchlib.env import ROOT, command_line, env_info, header_lines, load_str
+from benchlib.output import md_table, write_md
 
 YAML = """task: fxb_passkey
 dataset_path: json

@@ -31,7 +31,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import ROOT, command_line, emit, env_info, header_lines, load_str, md_table, tune_malloc  # noqa: E402
+from benchlib.env import ROOT, command_line, env_info, header_lines, load_str, tune_malloc  # noqa: E402
+from benchlib.output import emit, md_table  # noqa: E402
 
 SIDES = ("full", "eager", "inductor", "chunked")
 GOALS = "memory above the weights <= 1.5x the unmodified model's at every length; time <= 1.3x at 8K"

@@ -40,8 +40,9 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from _common import (analysis_link, command_line, env_info, header_lines, interleaved, load_str, md_table,  # noqa: E402
-                     write_md)
+from benchlib.env import command_line, env_info, header_lines, load_str  # noqa: E402
+from benchlib.timing import interleaved  # noqa: E402
+from benchlib.output import analysis_link, md_table, write_md  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 
@@ -368,7 +369,7 @@ def main() -> int:
         print(json.dumps(res))
         return 0
 
-    from _common import setup_threads
+    from benchlib.env import setup_threads
 
     setup_threads(1)
     info = env_info()

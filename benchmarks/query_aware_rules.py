@@ -26,7 +26,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import ROOT, command_line, emit, env_info, header_lines, load_str  # noqa: E402
+from benchlib.env import ROOT, command_line, env_info, header_lines, load_str  # noqa: E402
+from benchlib.output import emit  # noqa: E402
 
 RULES = ["full", "snapkv", "expected_attention", "observed_attention", "chunkkv", "lagkv", "cur", "leverage",
          "compactor", "keydiff"]

@@ -25,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, emit, env_info, header_lines, load_str, md_table, setup_threads, tune_malloc
+from benchlib.env import ROOT, env_info, header_lines, load_str, setup_threads, tune_malloc
+from benchlib.output import emit, md_table
 
 # What must not depend on where a row ran (timings and the process's environment may).
 SAME = ("prediction", "score", "output_tokens", "kv_allocated_bytes", "kv_held_bytes", "kernel_fingerprint",

@@ -21,7 +21,7 @@ import argparse
 import os
 import shutil
 
-from _common import ROOT, setup_threads
+from benchlib.env import ROOT, setup_threads
 
 
 def main() -> None:

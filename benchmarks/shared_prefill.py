@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from _common import ROOT, env_info, header_lines, md_table, setup_threads, write_md
+from benchlib.env import ROOT, env_info, header_lines, setup_threads
+from benchlib.output import md_table, write_md
 
 RULES = ("streamingllm", "h2o", "snapkv", "tova", "knorm")
 BUDGETS = (128, 256, 512, 1024)

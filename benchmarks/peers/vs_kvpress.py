@@ -330,7 +330,8 @@ def main() -> int:
         sys.exit(f"peer venv missing ({args.peer_python}): run `bash benchmarks/peers/setup_kvpress.sh` first")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     sys.path.insert(0, str(ROOT))
-    from _common import analysis_link, command_line, env_info, header_lines, load_str, md_table, write_md  # noqa: E402
+    from benchlib.env import command_line, env_info, header_lines, load_str  # noqa: E402
+    from benchlib.output import analysis_link, md_table, write_md  # noqa: E402
 
     import torch
     from transformers import AutoTokenizer

@@ -214,7 +214,7 @@ def _run(args, plan, prompts, samples, store: dict, base_job: dict) -> None:
     env_k.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     env_f = {**env_k, "PYTHONPATH": str(ROOT)}
     for side, rule, L in plan:
-        from _common import load_str
+        from benchlib.env import load_str
 
         key = f"{side}|{rule}|{L}"
         print(f"[{time.strftime('%H:%M:%S')}] {key} (load {load_str()})", flush=True)
@@ -244,7 +244,7 @@ def _overlap_vs(row: dict, ref: dict) -> list[float]:
 
 
 def _parity_report(args, store: dict) -> list[str]:
-    from _common import md_table
+    from benchlib.output import md_table
 
     lines = ["## Kept sets after the context: fxbudget eager vs kvpress", "",
              "Per layer and KV head over every prompt: |kept by fxbudget & kept by kvpress| / max(sizes). Per-head "
@@ -270,7 +270,7 @@ def _parity_report(args, store: dict) -> list[str]:
 
 
 def _memory_report(args, store: dict, lengths: list[int]) -> list[str]:
-    from _common import md_table
+    from benchlib.output import md_table
 
     lines = ["## One-call prefill + greedy answer: peak memory above the weights", "",
              "Peak: RSS high-water mark over the run (context prefill, question, answer) minus the RSS after load and "
@@ -326,7 +326,8 @@ def main() -> int:
         p.error("give a mode: parity or memory")
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from _common import analysis_link, command_line, env_info, header_lines, load_str, write_md  # noqa: E402
+    from benchlib.env import command_line, env_info, header_lines, load_str  # noqa: E402
+    from benchlib.output import analysis_link, write_md  # noqa: E402
 
     import torch
     from transformers import AutoTokenizer
