@@ -78,7 +78,7 @@ def test_short_call_on_a_filled_cache_scores_as_eager():
 def test_chunked_generate_on_two_prompts_compiles_two_graphs():
     """Issue 30's case, shrunk: `chunk_size` and `generate` on two prompts whose last chunks are shorter than
     `chunk_size` (70 = 32 + 32 + 6, 55 = 32 + 23): every chunk runs at `chunk_size` and every decode step at one
-    token, so the whole session compiles two graphs (benchmarks/chunked_compile.py times the full-size case)."""
+    token, so the whole session compiles two graphs (benchmarks/studies/chunked_compile.py times the full-size case)."""
     model = tiny_model("qwen2")
     m = fxbudget.compile(fresh(model), rule="snapkv", budget=32, chunk_size=32, backend="aot_eager")
     ref = fxbudget.compile(fresh(model), rule="snapkv", budget=32, chunk_size=32, backend=None)

@@ -32,7 +32,7 @@ from .attention import _heads_matmul
 # Key tiles hold this many new tokens (whole query blocks; fewer on short calls). Wide tiles: a step's gathered
 # queries (one copy of its block per tile, [rows, head dim]) shrink against its logits ([rows, tile]), and its
 # matmuls are fewer and larger. One layer of the embedded model's shapes under Inductor, 512 against 64: 2K 0.74 ->
-# 0.49 s, 8K 7.32 -> 6.54 s, 16K 27.48 -> 24.33 s (benchmarks/results/tile_keys.md).
+# 0.49 s, 8K 7.32 -> 6.54 s, 16K 27.48 -> 24.33 s (benchmarks/studies/results/tile_keys.md).
 TILE_KEYS = 512
 
 

@@ -11,7 +11,7 @@
   `docs/DESIGN.md`). `||W v||_2 = ||R v||_2` for `W = Q R`, so the kernel holds each query head's `R`
   (`v_head_dim x v_head_dim`, computed once when the weight is attached, `out_projection_factors`), never the
   `hidden x v_head_dim` slice: a call reads `q_heads x v_head_dim^2` numbers, not W_o (which an exact L1 norm needs
-  in full, per call: the measured decode cost of that is in benchmarks/results/signal_cost.md). Measured once per
+  in full, per call: the measured decode cost of that is in benchmarks/studies/results/signal_cost.md). Measured once per
   new token, stored with the norms.
 """
 
