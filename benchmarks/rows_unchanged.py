@@ -86,7 +86,7 @@ def main() -> int:
 
     prints = sorted({r.get("kernel_fingerprint") for r in new.values() if r.get("kernel_fingerprint")})
     before = sorted({r.get("kernel_fingerprint") for r in old.values() if r.get("kernel_fingerprint")})
-    lines = ["# Demo rows before and after (issue 29)", "",
+    lines = ["# Demo rows before and after", "",
              f"`python benchmarks/rows_unchanged.py --base {base} --samples {args.samples} --tasks {args.tasks}"
              f"{' --kernel-changed' if args.kernel_changed else ''}`: the "
              f"first {args.samples} sample(s) of {args.tasks} of the `make demo` grid, run with the code of {base} "
