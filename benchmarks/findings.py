@@ -109,10 +109,6 @@ PARTS = (
 )
 
 
-def budgeted(rules) -> list[str]:
-    return [r for r in rules if r != "full"]
-
-
 def pairs_of(n_rules: int) -> int:
     return n_rules * (n_rules - 1) // 2
 
@@ -355,8 +351,9 @@ def page(parts=PARTS, per_task: int | None = None, how: str = "", n_boot: int = 
              "do not edit by hand -->", ""]
     if partial:
         lines += ["!!! warning \"Partial: a first part of the run, not its findings\"",
-                  f"    {done} of {planned} planned rows are in. The lists below are what these rows decide so far; "
-                  "they are not the grid's answer. Continue with `python benchmarks/findings.py` (it resumes).", ""]
+                  f"    {done} of {planned} planned rows are in ({coverage(rows)}). The lists below are what these "
+                  "rows decide so far; they are not the grid's answer. Continue with `python benchmarks/findings.py` "
+                  "(it resumes: every row already in is skipped).", ""]
     lines += ["RULER's offline tasks at 2048 tokens, `fxbudget compare` on one shared kernel, each rule paired with "
               "every other on the same samples. Answer log-likelihood per token (the mean log-probability of the "
               "gold answer's tokens) is the primary metric: it separates rules with fewer samples than accuracy.", "",
@@ -365,23 +362,43 @@ def page(parts=PARTS, per_task: int | None = None, how: str = "", n_boot: int = 
     for p in parts:
         lines.append(f"| {p.name} | {_model_name(p)} | {p.protocol} | {len(p.rules)} | {', '.join(p.budgets)} | "
                      f"{planned_rows(p, per_task) if per_task else '?'} | {len(rows_of[p.name])} |")
+    blocked = [(p.name, missing(p)) for p in parts if not rows_of[p.name]]
+    blocked = [f"`{name}`: {why}" for name, why in blocked if why]
+    if blocked:
+        lines += ["", "Not runnable in this checkout yet: " + "; ".join(blocked) + "."]
     lines += ["", f"Tasks: {', '.join(f'`{t}`' for t in TASKS)}. Rules: {', '.join(f'`{r}`' for r in RULES)} "
               f"(`{FLOOR}`: the floor), `full` the unmodified model. Decomposed: "
               f"{', '.join(f'`{r}`' for r in DECOMPOSED)}. Sample size: {how or 'not computed'}. Sized to about "
               "4 hours of one CPU thread by giving the second model, the decomposition and query-aware one budget "
               "each, and query-aware one model (see `benchmarks/findings.py`).", ""]
-    lines += _decided_section(rows)
+    lines += _decided_section(rows, per_task * len(TASKS) if per_task else None)
     lines += _agreement_section(rows, n_boot)
     lines += _protection_section(rows, n_boot)
     lines += _cost_section(rows, runs, done)
     return "\n".join(lines).rstrip() + "\n"
 
 
+def coverage(rows: list[dict]) -> str:
+    """What the rows cover, in words: per model and protocol, tasks, rules, budgets and samples per task."""
+    if not rows:
+        return "none yet"
+    out = []
+    for (model, protocol) in sorted({(r["model"], r["protocol"]) for r in rows}):
+        mine = [r for r in rows if r["model"] == model and r["protocol"] == protocol]
+        tasks = sorted({r["task"] for r in mine})
+        rules = sorted({r["rule"] for r in mine})
+        budgets = sorted({r["budget_fraction"] for r in mine if r["budget_fraction"] is not None})
+        per = max(len({r["sample"] for r in mine if r["task"] == t}) for t in tasks)
+        out.append(f"{model}, {protocol}: {', '.join(tasks)}; {', '.join(rules)}; "
+                   f"{', '.join(f'{b:.1%}' for b in budgets)}; {per} sample{'s' if per != 1 else ''} per task")
+    return "; ".join(out)
+
+
 def _model_name(part: Part) -> str:
     return "the embedded Qwen2.5-Coder-0.5B-Instruct" if part.model == EMBEDDED else part.model
 
 
-def _decided_section(rows: list[dict]) -> list[str]:
+def _decided_section(rows: list[dict], planned_n: int | None = None) -> list[str]:
     out = ["## What is decided", "",
            "Per setting (model, protocol, budget) and metric, every pair of rules on their common samples: the "
            "paired sign-flip test, Holm-adjusted over all pairs of the setting; separated at p < 0.05. The effect "
@@ -403,9 +420,11 @@ def _decided_section(rows: list[dict]) -> list[str]:
                 out.append(f"    - `{v['a']}` > `{v['b']}`: {_fmt_diff(v['diff'])}, p (Holm) = {v['p_holm']:.3g}")
             best_worst = next(v for v in verdicts if v["a"] == verdicts[0]["a"] and v["b"] == _last(values))
             if not best_worst["separated"]:
+                settle = (f"; the grid's {planned_n} samples are sized to separate them" if planned_n
+                          and len(keys) < planned_n else "")
                 undecided.append(f"- {head}: best `{best_worst['a']}` vs worst `{best_worst['b']}`: "
                                  f"{_fmt_diff(best_worst['diff'])}, p (Holm) = {best_worst['p_holm']:.3g}; "
-                                 f"{len(verdicts) - len(sep)} of {len(verdicts)} pairs not separated")
+                                 f"{len(verdicts) - len(sep)} of {len(verdicts)} pairs not separated{settle}")
             else:
                 undecided.append(f"- {head}: {len(verdicts) - len(sep)} of {len(verdicts)} pairs not separated")
     if not any_rows:
@@ -478,7 +497,9 @@ def _cost_section(rows: list[dict], runs: list[dict], done: int) -> list[str]:
     out += [f"{len(runs)} rounds of `fxbudget compare` ({rate_line(added, wall)}; {done} rows in the folders), "
             f"{', '.join(dtypes)}, {', '.join(threads)} torch thread(s), the eager kernel; the machine was shared "
             f"(load averages before/after each round in `benchmarks/results/findings/runs.jsonl`), so the rate is a "
-            "floor, not a benchmark.", ""]
+            "floor, not a benchmark. Each round also pays fixed seconds (imports and checks, the model load, the "
+            "kernel fingerprints): a round of a few rows is mostly that, a round of the full grid (19 rows per "
+            "sample of `main`) much less.", ""]
     return out
 
 
