@@ -192,9 +192,11 @@ def missing(part: Part) -> str | None:
         from fxbudget.model_source import resolve_model
 
         try:
-            resolve_model(part.model)
+            source = resolve_model(part.model)
         except ValueError as e:
             return f"--model {part.model}: {str(e).splitlines()[0]}"
+        if source.kind == "hub" and "/" not in source.location:  # not embedded here: read as a hub id it is not
+            return f"--model {part.model} is not an embedded model of this checkout (it comes with the reach issue)"
     return None
 
 
@@ -420,8 +422,9 @@ def _decided_section(rows: list[dict], planned_n: int | None = None) -> list[str
                 out.append(f"    - `{v['a']}` > `{v['b']}`: {_fmt_diff(v['diff'])}, p (Holm) = {v['p_holm']:.3g}")
             best_worst = next(v for v in verdicts if v["a"] == verdicts[0]["a"] and v["b"] == _last(values))
             if not best_worst["separated"]:
-                settle = (f"; the grid's {planned_n} samples are sized to separate them" if planned_n
-                          and len(keys) < planned_n else "")
+                settle = ("" if not planned_n or len(keys) >= planned_n else
+                          f"; the grid's {planned_n} samples are sized to separate them" if metric == LIKELIHOOD else
+                          "; the grid is sized on likelihood, accuracy needs more samples")
                 undecided.append(f"- {head}: best `{best_worst['a']}` vs worst `{best_worst['b']}`: "
                                  f"{_fmt_diff(best_worst['diff'])}, p (Holm) = {best_worst['p_holm']:.3g}; "
                                  f"{len(verdicts) - len(sep)} of {len(verdicts)} pairs not separated{settle}")
@@ -494,7 +497,10 @@ def _cost_section(rows: list[dict], runs: list[dict], done: int) -> list[str]:
         return out + ["No logged rounds yet.", ""]
     dtypes = sorted({r.get("dtype", "?") for r in rows})
     threads = sorted({str(r.get("threads")) for r in rows})
-    out += [f"{len(runs)} rounds of `fxbudget compare` ({rate_line(added, wall)}; {done} rows in the folders), "
+    stopped = sum(1 for r in runs if r.get("exit", 0) != 0)
+    idle = sum(1 for r in runs if r.get("exit", 0) == 0 and r["rows_after"] == r["rows_before"])
+    out += [f"{len(runs)} round{'s' if len(runs) != 1 else ''} of `fxbudget compare` ({stopped} stopped before their end, {idle} with nothing "
+            f"left to run; {rate_line(added, wall)}; {done} rows in the folders), "
             f"{', '.join(dtypes)}, {', '.join(threads)} torch thread(s), the eager kernel; the machine was shared "
             f"(load averages before/after each round in `benchmarks/results/findings/runs.jsonl`), so the rate is a "
             "floor, not a benchmark. Each round also pays fixed seconds (imports and checks, the model load, the "

@@ -106,13 +106,14 @@ def test_page_on_a_partial_run_says_partial_and_what_it_decides(out):
     _write(out / "main", [_row(m, "snapkv", i, -1.0 - 0.01 * i) for i in range(8)]
            + [_row(m, "streamingllm", i, -2.0 - 0.01 * i) for i in range(8)])
     (out / "runs.jsonl").write_text(json.dumps({"part": "main", "round": 1, "wall_s": 1800.0, "rows_before": 0,
-                                                "rows_after": 16}) + "\n")
+                                                "rows_after": 16, "exit": 0}) + "\n")
     text = findings.page(findings.PARTS, per_task=4, how="24 paired samples")
     assert "Partial: a first part" in text and "16 of 1104 planned rows" in text
     assert "1 of 1 pairs separated" in text and "`snapkv` > `streamingllm`: +1.000" in text
     assert "p (Holm) = 0.00781" in text  # 2/2^8, one pair
     assert "Not measured yet: Kendall's tau" in text and "Not measured yet: the decomposition" in text
-    assert "16 rows in 30.0 min of wall time: 32 rows per hour" in text
+    assert "1 round of `fxbudget compare` (0 stopped before their end, 0 with nothing left to run; 16 rows in 30.0 " \
+           "min of wall time: 32 rows per hour" in text
 
 
 def test_page_measures_rank_agreement_and_the_protection_claim(out):
@@ -171,3 +172,6 @@ def test_a_part_with_an_unknown_rule_says_so():
     part = findings.Part("x", findings.EMBEDDED, "query-agnostic", ("snapkv", "nosuch:snapkv"), ("12.5%",), "")
     assert findings.missing(part) == "rule nosuch:snapkv is not known to this checkout"
     assert findings.missing(findings.PARTS[0]) is None
+    other = findings.Part("y", "nosuch-270m", "query-agnostic", ("snapkv",), ("12.5%",), "")
+    assert findings.missing(other) == ("--model nosuch-270m is not an embedded model of this checkout (it comes with "
+                                       "the reach issue)")
