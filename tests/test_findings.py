@@ -175,3 +175,10 @@ def test_a_part_with_an_unknown_rule_says_so():
     other = findings.Part("y", "nosuch-270m", "query-agnostic", ("snapkv",), ("12.5%",), "")
     assert findings.missing(other) == ("--model nosuch-270m is not an embedded model of this checkout (it comes with "
                                        "the reach issue)")
+
+
+def test_the_committed_page_is_what_the_committed_rows_give():
+    # docs/findings.md is generated: after new rows (or a checkout where a blocked part can run), rerun
+    # `python benchmarks/findings.py --page-only`.
+    per_task, how = findings.samples_per_task()
+    assert (ROOT / "docs" / "findings.md").read_text() == findings.page(findings.PARTS, per_task, how)
