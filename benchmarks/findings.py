@@ -28,7 +28,8 @@ setting; in priority order (a part runs after the one before it finishes):
 2. `decomposition`: the 8 wrapper rows at 12.5% only (192 rows; they pair with `main`'s rows on the same samples);
 3. `second-model`: gemma3-270m, query-agnostic, every rule at 12.5% only (240 rows; the ranking compared there);
 4. `query-aware`: the embedded model only, every rule at 12.5% only (216 rows).
-A part's rows per hour are measured (`runs.jsonl`); `--plan` projects each part's hours from them.
+`--plan` projects each part's hours from the committed rows' own seconds (`projected_hours`); where that adds up to
+more than 4 hours, the last parts are what a 4-hour session leaves out (the first ones are decided by then).
 
 **dtype.** bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX), or on a GPU; else float32 (an AVX2-only
 CPU emulates bfloat16: slower, not faster). Recorded in every row.
@@ -334,6 +335,26 @@ def rate(runs: list[dict]) -> tuple[int, float]:
     return sum(max(0, r["rows_after"] - r["rows_before"]) for r in runs), sum(r["wall_s"] for r in runs)
 
 
+def projected_hours(part: Part, samples: int, rows: list[dict]) -> float | None:
+    """Hours of the whole `part` on `samples` samples from the timed seconds of committed `rows` of its model (any
+    part): per sample one shared prefill (the median of the budgeted rows' `prefill_s`), the unmodified model's row
+    if the part has one (its own prefill and decode: taken as prefill + one row's work) and each budgeted row's own
+    work (the median branch + replay + decode + likelihood seconds); rounds' fixed seconds not included. None without
+    budgeted rows of the model."""
+    import numpy as np
+
+    model = {EMBEDDED: "Qwen2.5-Coder-0.5B-Instruct"}.get(part.model, part.model)
+    mine = [r for r in rows if r["model"] == model and r["rule"] != "full" and r.get("shared_prefill")]
+    if not mine:
+        return None
+    prefill = float(np.median([r["prefill_s"] for r in mine]))
+    work = float(np.median([sum(r.get(k) or 0.0 for k in ("branch_s", "replay_s", "decode_s", "likelihood_s"))
+                            for r in mine]))
+    budgeted = sum(len(part.budgets) for r in part.rules if r != "full")
+    full = prefill + work if "full" in part.rules else 0.0
+    return samples * (prefill + full + budgeted * work) / 3600
+
+
 def planned_rows(part: Part, per_task: int, tasks=TASKS) -> int:
     n = len(tasks) * per_task
     return n * sum(1 if r == "full" else len(part.budgets) for r in part.rules)
@@ -558,10 +579,12 @@ def main() -> int:
             if (OUT / "runs.jsonl").is_file() else []
         added, wall = rate(runs)
         print(how)
+        timed = [r for p in PARTS for r in _rows(part_dir(p))]
         for p in sliced:
             n = planned_rows(p, per_task, args.tasks)
             left = n - len(_rows(part_dir(p)))
-            eta = f", ~{left / (added / wall):.1f} h at the measured rate" if added and wall else ""
+            hours = projected_hours(p, per_task * len(args.tasks), timed)
+            eta = f", ~{hours:.1f} h from the committed rows' seconds" if hours is not None else ""
             print(f"{p.name}: {_model_name(p)}, {p.protocol}, {len(p.rules)} rules x {','.join(p.budgets)}: "
                   f"{n} rows ({left} left{eta}); {p.why}")
         print(f"measured: {rate_line(added, wall)}" if runs else "measured: nothing yet")

@@ -161,6 +161,16 @@ def test_compare_command_is_the_parts_data():
     assert len(findings.RULES) >= 9 and findings.FLOOR in findings.RULES  # 8 rules and the floor
 
 
+def test_projected_hours_from_the_rows_seconds():
+    # One shared prefill of 10 s per sample, 2 s of each budgeted row's own work; main also runs the unmodified
+    # model (10 + 2 s) and 9 rules x 2 budgets: 10 + 12 + 18 x 2 = 58 s per sample.
+    rows = [{"model": "Qwen2.5-Coder-0.5B-Instruct", "rule": "snapkv", "shared_prefill": True, "prefill_s": 10.0,
+             "branch_s": 0.5, "replay_s": None, "decode_s": 1.0, "likelihood_s": 0.5}] * 3
+    main = findings.PARTS[0]
+    assert findings.projected_hours(main, 24, rows) == pytest.approx(24 * 58 / 3600)
+    assert findings.projected_hours(findings.PARTS[2], 24, rows) is None  # no rows of the second model
+
+
 def test_cpu_dtype_needs_native_bf16():
     assert findings.cpu_dtype(cpuinfo="flags\t: fpu avx2 fma\n")[0] == "float32"
     assert findings.cpu_dtype(cpuinfo="flags\t: fpu avx2 avx512f avx512_bf16\n") == \
