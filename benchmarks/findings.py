@@ -423,14 +423,16 @@ def _model_name(part: Part) -> str:
 
 def _decided_section(rows: list[dict], planned_n: int | None = None) -> list[str]:
     out = ["## What is decided", "",
-           "Per setting (model, protocol, budget) and metric, every pair of rules on their common samples: the "
+           "Per setting (model, protocol, budget) and metric, every pair of rules (the decomposition's wrappers "
+           "apart) on their common samples: the "
            "paired sign-flip test, Holm-adjusted over all pairs of the setting; separated at p < 0.05. The effect "
            "is the mean paired difference (first rule minus second) with the interval of the same test.", ""]
     undecided = []
     any_rows = False
     for metric, label in METRICS.items():
         for (model, protocol, frac), by_rule in sorted(by_setting(rows, metric).items(), key=str):
-            keys, values = aligned(by_rule)
+            ranked = [r for r in by_rule if r.split(":", 1)[0] not in WRAPPERS]  # the decomposition has its section
+            keys, values = aligned(by_rule, ranked)
             if len(values) < 2 or not keys:
                 continue
             any_rows = True

@@ -137,6 +137,8 @@ def test_page_measures_rank_agreement_and_the_protection_claim(out):
     text = findings.page(findings.PARTS, per_task=4, how="x", n_boot=200)
     assert f"Kendall's tau-b between {qwen} (8 samples) and {gemma} (8 samples)" in text
     assert "**+1.00** [+1.00, +1.00]" in text and "the rankings agree more than chance" in text
+    # the wrappers are not ranked with the rules: 4 rules, 6 pairs, in the decided list
+    assert f"**{qwen}, query-agnostic, 12.5% budget, answer log-likelihood per token, 4 rules on 8 samples**" in text
     line = next(x for x in text.splitlines() if x.startswith("| `snapkv` | answer log-likelihood"))
     assert "0.80 [0.80, 0.80] | holds |" in line
     line = next(x for x in text.splitlines() if x.startswith("| `h2o` | answer log-likelihood"))
