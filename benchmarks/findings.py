@@ -522,8 +522,9 @@ def _cost_section(rows: list[dict], runs: list[dict], done: int) -> list[str]:
     threads = sorted({str(r.get("threads")) for r in rows})
     stopped = sum(1 for r in runs if r.get("exit", 0) != 0)
     idle = sum(1 for r in runs if r.get("exit", 0) == 0 and r["rows_after"] == r["rows_before"])
-    out += [f"{len(runs)} round{'s' if len(runs) != 1 else ''} of `fxbudget compare` ({stopped} stopped before their end, {idle} with nothing "
-            f"left to run; {rate_line(added, wall)}; {done} rows in the folders), "
+    rounds = f"{len(runs)} round{'s' if len(runs) != 1 else ''}"
+    out += [f"{rounds} of `fxbudget compare` ({stopped} stopped before their end, {idle} with nothing left to run; "
+            f"{rate_line(added, wall)}; {done} rows in the folders), "
             f"{', '.join(dtypes)}, {', '.join(threads)} torch thread(s), the eager kernel; the machine was shared "
             f"(load averages before/after each round in `benchmarks/results/findings/runs.jsonl`), so the rate is a "
             "floor, not a benchmark. Each round also pays fixed seconds (imports and checks, the model load, the "
