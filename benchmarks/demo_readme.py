@@ -219,6 +219,8 @@ def fill_readme(paths: list[Path] | None = None) -> None:
             # The region with its old content, or a bare marker (optionally with a note after a colon) the first time.
             pattern = rf"<!-- {re.escape(tag)}(?::[^>]*)? -->(?:.*?<!-- /{re.escape(tag)} -->)?"
             text, n = re.subn(pattern, lambda _: new, text, flags=re.S)
+            if inline:  # an inline region that starts a line would start an HTML block: its sentence splits in two
+                text = re.sub(rf"[ \t]*\n(?=<!-- {re.escape(tag)} -->)", " ", text)
             found |= {name} if n else set()
         if text != original:
             path.write_text(text)

@@ -40,13 +40,38 @@ def per_sample(rows):
     return out
 
 
+def projection(rows, comparisons: int = COMPARISONS, sizes=SIZES, draws: int = DRAWS, seed: int = SEED) -> list[dict]:
+    """Per (budget, metric) of the budgeted `rows`: the best and worst rule by mean over their common samples, the
+    samples now, the mean difference and its p x `comparisons` now, the fraction of `draws` resamples of each size
+    in `sizes` separated (p x `comparisons` < 0.05), and `need`: the smallest size reaching 80% (None beyond)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for (frac, metric), by_rule in sorted(per_sample(rows).items()):
+        common = set.intersection(*(set(v) for v in by_rule.values()))
+        keys = sorted(common)
+        if len(by_rule) < 2 or not keys:
+            continue
+        means = {rule: float(np.mean([v[k] for k in keys])) for rule, v in by_rule.items()}
+        best, worst = max(means, key=means.get), min(means, key=means.get)
+        d = np.array([by_rule[best][k] - by_rule[worst][k] for k in keys])
+        now = min(1.0, comparisons * sign_flip_pvalue(d))
+        fractions = []
+        for n in sizes:
+            hits = sum(min(1.0, comparisons * sign_flip_pvalue(rng.choice(d, size=n), n_perm=2000)) < 0.05
+                       for _ in range(draws))
+            fractions.append(hits / draws)
+        need = next((n for n, f in zip(sizes, fractions) if f >= 0.8), None)
+        out.append({"budget": frac, "metric": metric, "best": best, "worst": worst, "n_now": len(keys),
+                    "mean_d": float(d.mean()), "p_now": now, "fractions": fractions, "need": need})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default="benchmarks/results/ruler_cpu")
     ap.add_argument("--out", default="benchmarks/results/ruler_cpu_samples.md")
     args = ap.parse_args()
     rows = [json.loads(line) for line in (Path(args.results) / "results.jsonl").read_text().splitlines() if line]
-    rng = np.random.default_rng(SEED)
     lines = ["# Samples to separate the best from the worst rule (projection)", "",
              f"`python benchmarks/ruler_cpu_samples.py` on {args.results}/results.jsonl ({len(rows)} rows); "
              f"{DRAWS} resamples per size, seed {SEED}; separated = sign-flip p x {COMPARISONS} < 0.05. A "
@@ -54,21 +79,11 @@ def main() -> None:
              "| budget | metric | best | worst | n now | mean d now | p x 4 now | "
              + " | ".join(f"n={n}" for n in SIZES) + " | n for 80% |",
              "|---" * (8 + len(SIZES)) + "|"]
-    for (frac, metric), by_rule in sorted(per_sample(rows).items()):
-        common = set.intersection(*(set(v) for v in by_rule.values()))
-        keys = sorted(common)
-        means = {rule: float(np.mean([v[k] for k in keys])) for rule, v in by_rule.items()}
-        best, worst = max(means, key=means.get), min(means, key=means.get)
-        d = np.array([by_rule[best][k] - by_rule[worst][k] for k in keys])
-        now = min(1.0, COMPARISONS * sign_flip_pvalue(d))
-        fractions = []
-        for n in SIZES:
-            hits = sum(min(1.0, COMPARISONS * sign_flip_pvalue(rng.choice(d, size=n), n_perm=2000)) < 0.05
-                       for _ in range(DRAWS))
-            fractions.append(hits / DRAWS)
-        need = next((str(n) for n, f in zip(SIZES, fractions) if f >= 0.8), f"> {SIZES[-1]}")
-        lines.append(f"| {frac:.0%} | {metric} | {best} | {worst} | {len(keys)} | {d.mean():+.3f} | {now:.3f} | "
-                     + " | ".join(f"{f:.2f}" for f in fractions) + f" | {need} |")
+    for p in projection(rows):
+        need = str(p["need"]) if p["need"] is not None else f"> {SIZES[-1]}"
+        lines.append(f"| {p['budget']:.0%} | {p['metric']} | {p['best']} | {p['worst']} | {p['n_now']} | "
+                     f"{p['mean_d']:+.3f} | {p['p_now']:.3f} | " + " | ".join(f"{f:.2f}" for f in p["fractions"])
+                     + f" | {need} |")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -460,3 +460,23 @@ def test_question_marker_ruler_finds_rulers_question(tok):
     assert prefilled(prompt) == len(sample.context)
     with pytest.raises(ValueError, match="question_marker"):
         prefilled("a context with no question of any RULER family")
+
+
+def test_a_ruler_prompt_without_a_marker_is_told_question_marker_ruler(tok):
+    """Query-agnostic without a marker on RULER's own prompt (lm-eval's `ruler` tasks, `--tasks niah_single_1`): the
+    one-line error names `question_marker=ruler`; another unmarked context keeps the general message."""
+    from types import SimpleNamespace
+
+    from fxbudget.harness.tasks.ruler import RULER_TASKS
+    from fxbudget.lmeval.options import parse
+
+    fake = SimpleNamespace(opts=parse({"budget": 8, "protocol": "query-agnostic"}), _question_at={},
+                           tok_encode=lambda text: list(range(len(text))))
+    sample = RULER_TASKS["ruler:niah_single_1"](tok, 1024, seed=0)
+    prompt = sample.context + sample.question
+    with pytest.raises(ValueError, match=r"is a RULER prompt .*: give question_marker=ruler,") as e:
+        FxBudgetLM._prefilled(fake, prompt, list(range(len(prompt))), len(prompt))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="--apply_chat_template") as e:
+        FxBudgetLM._prefilled(fake, "no question here", list(range(16)), 16)
+    assert "RULER" not in str(e.value)

@@ -81,6 +81,8 @@ def cmd_compare(args) -> int:
     if todo < total:
         print(f"[fxbudget] resuming: {total - todo} of {names.plural(total, 'row')} done (in {runner.out_dir}); "
               f"{todo} to run", file=sys.stderr)
+    if preflight.prepare_model(source):
+        stages.mark("the embedded model's first-use conversion")
     tok = preflight.tokenizer(source)
     config = sizes.model_config(source)
     if grid.tasks:

@@ -152,6 +152,16 @@ def model_source(args):
         raise UsageError(str(e)) from None
 
 
+def prepare_model(source) -> bool:
+    """The embedded model's first-use conversion (assembly, dequantization, the safetensors cache), before its
+    tokenizer is read; True when it ran (the closing line then names it as a stage of its own)."""
+    if source.kind != "default":
+        return False
+    from ..models import prepare_default
+
+    return prepare_default(progress=True)
+
+
 def tokenizer(source):
     """The model's tokenizer, without its weights.
 

@@ -140,6 +140,11 @@ class FxBudgetLM(HFLM):
             at = self._question_at.get(context) if marker is None else context.rfind(marker)
         if at is None or at < 0:
             where = "no chat-template mark" if marker is None else f"no question_marker {marker!r}"
+            if marker is None and find_question(context) >= 0:  # RULER's own template (lm-eval's `ruler` tasks)
+                raise ValueError(f"protocol=query-agnostic appends the question after compression, and this request "
+                                 f"is a RULER prompt (lm-eval's ruler tasks): give question_marker={RULER_MARKER}, "
+                                 "which finds its question with RULER's own templates (or protocol=query-aware: the "
+                                 "whole context prefilled with eviction)")
             raise ValueError(f"{NO_MARK}; this request's context has {where}: {context[:80]!r}...")
         prefix = self.tok_encode(context[:at])
         if list(context_ids[:len(prefix)]) != prefix:

@@ -217,6 +217,19 @@ def load_default(*, cache_dir: str | os.PathLike | None = None, progress: bool =
     return model, tokenizer
 
 
+def prepare_default(progress: bool = True) -> bool:
+    """Convert the embedded model into its safetensors cache if it is not there yet (its first use), without
+    loading it; returns whether it converted. The log says "converted", never "loaded": the load is the caller's."""
+    path = default_cache_dir()
+    if _is_cached(path):
+        return False
+    start = time.perf_counter()
+    _convert(path, progress)
+    _log(progress, f"converted {DEFAULT_MODEL_NAME} once, in {time.perf_counter() - start:.1f} s (later runs read "
+                   "the cache)")
+    return True
+
+
 def model_name(spec: str | os.PathLike | None, revision: str | None = None) -> str:
     """The name result rows record for the model `load_model(spec)` loads (known without loading it).
 
@@ -231,10 +244,8 @@ def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
     if source.kind == "default":
-        path = default_cache_dir()
-        if not _is_cached(path):
-            load_default(progress=True)  # the first use converts the embedded GGUF (~45 s once)
-        return AutoTokenizer.from_pretrained(path)
+        prepare_default(progress=True)  # the first use converts the embedded GGUF (~45 s once); no model loaded
+        return AutoTokenizer.from_pretrained(default_cache_dir())
     return AutoTokenizer.from_pretrained(source.location, **source.pretrained_kwargs())
 
 
