@@ -57,7 +57,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import ROOT, load_str  # noqa: E402
+from benchlib.env import ROOT, load_str  # noqa: E402
 
 TASKS = ("ruler:niah_single_1", "ruler:niah_multikey_2", "ruler:niah_multikey_3", "ruler:vt", "ruler:cwe",
          "ruler:fwe")
@@ -190,7 +190,7 @@ def missing(part: Part) -> str | None:
     if unknown:
         return f"rule {unknown[0]} is not known to this checkout"
     if part.model != EMBEDDED:
-        from fxbudget.model_source import resolve_model
+        from fxbudget.models.source import resolve_model
 
         try:
             source = resolve_model(part.model)

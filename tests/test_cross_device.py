@@ -14,7 +14,7 @@ import torch
 from fxbudget.rules import plain_generation_rules
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))  # the script imports its sibling _common
+sys.path.insert(0, str(BENCH))  # the script imports benchlib, beside it
 xd = importlib.import_module("cross_device")
 
 # kvzip evicts only in its replay protocol (tests/test_kvzip.py)

@@ -30,8 +30,8 @@ def test_make_test_beside_the_install_says_how_long_it_takes():
 def test_first_use_conversion_is_not_reported_as_a_load(tmp_path, monkeypatch, capsys, no_model_load):
     import transformers
 
-    from fxbudget import models
-    from fxbudget.model_source import resolve_model
+    from fxbudget.models import load as models
+    from fxbudget.models.source import resolve_model
 
     converted = []
     monkeypatch.setattr(models, "default_cache_dir", lambda: tmp_path)
