@@ -56,7 +56,7 @@ def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: in
 
 def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *, chunk_size: int | None = None,
             backend: str | None = "inductor", headroom: int = 0, block: int | None = DEFAULT_BLOCK,
-            cudagraphs: bool = False, head_pool: bool | None = None, **rule_params) -> nn.Module:
+            cudagraphs: bool = False, head_pool: bool | None = None, interval: int = 1, **rule_params) -> nn.Module:
     """Run `model` with a KV cache of at most `budget` entries per layer and KV head, evicting with `rule`.
 
     The model is modified in place (its `forward` is wrapped) and returned; `model.forward.restore()` undoes it.
@@ -87,6 +87,11 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
             share its slots, or the per-head slots (False). None (default): pooled iff the rule is head-adaptive
             (`AdaKV`, `"adakv:<rule>"`), which needs it. A uniform rule runs pooled with the same kept sets, at
             `kv_heads` times the slot-attention FLOPs (docs/DESIGN.md).
+        interval: decode steps between evictions in caches created automatically (kvpress DecodingPress's
+            `compression_interval`, its `target_size` the budget; default 1: every call evicts). Between evictions
+            a layer grows by up to `interval - 1` entries beyond the budget (the slots are allocated up front) and
+            the steps that do not evict skip the rule's scoring (they run the rule-independent frozen call); see
+            `BudgetCache` and docs/DESIGN.md §6.
         **rule_params: hyperparameters of a named rule, e.g. `window=64` for snapkv (for `"adakv:<rule>"`,
             `alpha` goes to AdaKV, the rest to the wrapped rule).
 
@@ -101,6 +106,7 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
     if getattr(model, "config", None) is not None:
         check_rule_budget(rule_obj, budget, model.config)
     check_int("headroom", headroom, 0)
+    check_int("interval", interval, 1)
     check_block(block)
     rope_refused = rope_refusal_for(model) if rule_obj.needs_rope and getattr(model, "config", None) is not None \
         else None
@@ -112,7 +118,7 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
         raise ValueError(f"rule {rule_obj.name!r} needs each attention layer's output projection (W_o), and fxbudget "
                          "cannot find it in this model (attention modules with a layer_idx and a linear o_proj)")
     return BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend, headroom=headroom,
-                         block=block, cudagraphs=cudagraphs, head_pool=head_pool).install()
+                         block=block, cudagraphs=cudagraphs, head_pool=head_pool, interval=interval).install()
 
 
 def frozen_runner(model: nn.Module, backend: str, window: int, *, block: int | None = DEFAULT_BLOCK,
