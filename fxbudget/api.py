@@ -91,7 +91,7 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
             `compression_interval`, its `target_size` the budget; default 1: every call evicts). Between evictions
             a layer grows by up to `interval - 1` entries beyond the budget (the slots are allocated up front) and
             the steps that do not evict skip the rule's scoring (they run the rule-independent frozen call); see
-            `BudgetCache` and docs/DESIGN.md §6.
+            `BudgetCache` and docs/DESIGN.md §3.
         **rule_params: hyperparameters of a named rule, e.g. `window=64` for snapkv (for `"adakv:<rule>"`,
             `alpha` goes to AdaKV, the rest to the wrapped rule).
 

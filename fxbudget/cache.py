@@ -214,7 +214,7 @@ class BudgetCache(Cache):
             the budget (its `target_size`); calls of more tokens evict as before. Between evictions a layer holds
             up to `budget + k - 1` entries, the evicting call attends over up to `budget + k`, and right after it
             the layer holds the budget: the cache allocates `budget + max(headroom, k - 1)` slots (the head-room
-            and the growth share the extra slots; docs/DESIGN.md §6, "Decoding at an interval").
+            and the growth share the extra slots; docs/DESIGN.md §3, "Decoding at an interval").
         layer_budgets: per-layer budgets of the full-attention layers (e.g. PyramidKV's schedule); they must sum to
             `budget` times the number of those layers, so the cache holds the same memory as a uniform one.
         head_pool: the head-pooled layout: each full-attention layer's `kv_heads x (budget + headroom)` slots are

@@ -74,7 +74,7 @@ def run_note(rules: list[str], protocols: list[str], rule_params: dict | None = 
 
 def interval_note(interval: int) -> str:
     """What the streaming protocol does at a decode interval > 1 (kvpress's DecodingPress), and the memory it holds:
-    the budget accounting of such rows (docs/DESIGN.md §6)."""
+    the budget accounting of such rows (docs/DESIGN.md §3)."""
     return (f"at decode interval {interval}: prefill and question calls evict as above; decode steps evict only every "
             f"{interval}th step since the last eviction, down to the budget (kvpress DecodingPress's "
             f"compression_interval {interval}, target_size the budget), and append without eviction (or the rule's "
