@@ -157,8 +157,8 @@ def main() -> int:
     lines = header_lines("Decode step at interval " + " vs ".join(map(str, intervals)) + " (embedded model)", info,
                          command_line("OMP_NUM_THREADS=1 "), load_after=load_str())
     lines += [f"Qwen2.5-Coder-0.5B-Instruct (fp32); budget {a.budget}; one-call prefill of a {ids.shape[1]}-token "
-              f"passkey prompt (eager kernel, branched per rule); decode backend {a.backend}; {a.rounds} timed rounds x {steps} steps per "
-              f"series after one warm-up round. Cells: mean ms per decode step, median [interquartile range] over "
+              f"passkey prompt (eager kernel, branched per rule); decode backend {a.backend}; {a.rounds} timed rounds "
+              f"x {steps} steps per series after one warm-up round. Cells: mean ms per decode step, median [interquartile range] over "
               f"rounds; ratios: median [interquartile range] of the per-round ratio. "
               + (f"{skipped}." if skipped else ""), "",
               *md_table(heads, rows), "", *spread,

@@ -3,9 +3,10 @@
 
 Oracles: interval 1 is today's streaming, bit for bit; with interval k a layer never holds more than budget + k - 1
 entries between calls and exactly the budget after each evicting step; the kept sets after N steps equal (a) a
-pure-Python position oracle for streamingllm and (b) for the score-based rules, a reference loop that freezes eviction
-by hand on every step but each k-th and runs the rule's own kernel throughout (so the rule-free growth steps change
-nothing); the compiled path equals the eager one with a fixed number of graphs.
+pure-Python position oracle for streamingllm, (b) a pure-Python key-norm oracle for knorm on a hand-written layer and
+(c) for the score-based rules, a reference loop that freezes eviction by hand on every step but each k-th and runs the
+rule's own kernel throughout (so the rule-free growth steps change nothing); the compiled path equals the eager one
+with a fixed number of graphs.
 """
 
 import json
@@ -117,6 +118,36 @@ def test_streamingllm_kept_sets_match_a_position_oracle():
                 assert set(row.tolist()) - {-1} == expected[i - 1], f"step {i}, layer {layer}"
 
     _decode(m, cache, steps, check)
+
+
+@torch.no_grad()
+def test_knorm_kept_sets_match_a_key_norm_oracle():
+    # A hand-written one-layer model (no RoPE): each token's key is `k(emb(id))`, so the oracle computes every key
+    # norm itself and keeps, at the prefill and at every k-th decode step, the `BUDGET` lowest norms of what is held.
+    from tiny_attention import CONFIG, OneLayer
+
+    k, steps, prompt = 4, 14, 12
+    model = OneLayer(vocab=64).double()
+    budget = BUDGET - 4
+    m = fxbudget.compile(model, rule="knorm", budget=budget, backend=None)
+    cache = fxbudget.BudgetCache(CONFIG, budget, interval=k, dtype=torch.float64)
+    # Distinct tokens: no two keys alike, so no tie (a tie goes to the newer token) for the oracle to break.
+    ids = torch.randperm(64, generator=torch.Generator().manual_seed(9))[:prompt + steps].unsqueeze(0)
+    norms = model.k(model.emb(ids[0])).norm(dim=-1).tolist()
+
+    def lowest(held):
+        return set(sorted(held, key=lambda p: norms[p])[:budget])
+
+    m(input_ids=ids[:, :prompt], past_key_values=cache)
+    kept = lowest(range(prompt))
+    assert set(cache.positions(0).flatten().tolist()) - {-1} == kept
+    for i in range(1, steps + 1):
+        m(input_ids=ids[:, prompt + i - 1:prompt + i], past_key_values=cache)
+        kept = kept | {prompt + i - 1}
+        if i % k == 0:
+            kept = lowest(kept)
+        assert set(cache.positions(0).flatten().tolist()) - {-1} == kept, f"step {i}"
+    m.forward.restore()
 
 
 @pytest.mark.parametrize("rule", ["h2o", "snapkv", "knorm", "tova", "adakv:snapkv"])
