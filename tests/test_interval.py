@@ -252,15 +252,18 @@ def test_compare_streaming_at_an_interval_writes_and_reports_it(tiny_dir, tmp_pa
             "cpu", "--quiet", "--no-likelihood", "--out", str(out)]
     assert main(argv + ["--interval", "3"]) == 0
     err = capsys.readouterr().err
-    assert "streaming decode evicts every 3 steps" in err and "budget + 2 slots" in err
+    assert "streaming decode evicts every 3 steps" in err and "budget + max(head-room, 2) slots" in err
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {r["decode_interval"] for r in rows} == {3}
     h2o = next(r for r in rows if r["rule"] == "h2o")
-    report = next(out.glob("*.md")).read_text()
+    report = (out / "report.md").read_text()
     assert "`streaming` at decode interval 3" in report and "budget + 2 entries" in report
+    assert "memory is the budget throughout" not in report  # interval 1's sentence: no row of this run is it
     # The same grid at interval 1 is another setting: its rows are new, not the interval-3 rows resumed.
     assert main(argv) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert sorted(r["decode_interval"] for r in rows) == [1, 1, 3, 3]
+    report = (out / "report.md").read_text()  # the two settings, each said
+    assert "memory is the budget throughout" in report and "`streaming` at decode interval 3" in report
     one = next(r for r in rows if r["rule"] == "h2o" and r["decode_interval"] == 1)
     assert h2o["kv_allocated_bytes"] == one["kv_allocated_bytes"] * (32 + 2) // 32  # the growth slots, accounted

@@ -31,7 +31,7 @@ def _interval_words(grid) -> str:
         return ""
     k = grid.interval
     return (f"; streaming decode evicts every {k} steps (kvpress DecodingPress, target = the budget): its caches grow "
-            f"to budget + {k - 1} entries between evictions, and allocate budget + {k - 1} slots")
+            f"to budget + {k - 1} entries between evictions, and allocate budget + max(head-room, {k - 1}) slots")
 
 
 def grid_of(args):
