@@ -58,16 +58,18 @@ def main() -> int:
                    "common multiple of the intervals)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
     p.add_argument("--rules", default=None, help="comma-separated (default: every rule that evicts in generation)")
-    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "none"],
-                   help="decode backend ('none': the eager kernel)")
+    p.add_argument("--backend", default=None, choices=["inductor", "aot_eager", "none"],
+                   help="decode backend (default inductor; 'none': the eager kernel)")
     p.add_argument("--smoke", action="store_true", help="does it run: h2o and snapkv, context 128, budget 32, "
-                   "intervals 1,64, 2 steps (no eviction at 64), 1 round, eager; printed, never a result")
+                   "intervals 1,64, 2 steps (no eviction at 64), 1 round, eager unless --backend; printed, never a "
+                   "result")
     p.add_argument("--out", default=None, help="markdown output (default benchmarks/results/decode_interval.md; "
                    "--smoke writes nothing unless given)")
     a = p.parse_args()
     if a.smoke:
-        a.context, a.budget, a.steps, a.rounds, a.backend = 128, 32, 2, 1, "none"
-        a.rules = a.rules or "h2o,snapkv"
+        a.context, a.budget, a.steps, a.rounds = 128, 32, 2, 1
+        a.backend, a.rules = a.backend or "none", a.rules or "h2o,snapkv"
+    a.backend = a.backend or "inductor"
     intervals = [int(k) for k in a.intervals.split(",")]
     steps = a.steps or math.lcm(*intervals)
     if not a.smoke and any(steps % k for k in intervals):
