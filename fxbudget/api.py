@@ -1,27 +1,24 @@
-"""`fxbudget.compile` and `fxbudget.frozen_runner`: the public entry points (`fxbudget.inspect` and
-`fxbudget.kernel_fingerprint` live in `fxbudget.fairness.fingerprint`, the wrapped forward in `fxbudget.compiler.forward`; their names
-stay importable from here)."""
+"""`fxbudget.compile`: the public entry point. `fxbudget.inspect` and `fxbudget.kernel_fingerprint` live in
+`fxbudget.fairness.fingerprint`; the wrapped forward and `frozen_runner` in `fxbudget.compiler.forward` (a forward
+that decodes at an interval builds one itself); their names stay importable from here."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
-
-from torch import fx, nn
+from torch import nn
 
 from .models.architectures import check_model
-from .compiler.backend import INNER_BACKENDS, make_backend
+from .compiler.backend import INNER_BACKENDS
 from .compiler.buckets import bucket_length  # noqa: F401  (re-export)
 from .cache.budget_cache import BudgetCache  # noqa: F401  (re-export)
 from .checks import check_int
 from .fairness.fingerprint import captured_graphs as _captured_graphs  # noqa: F401  (re-export)
 from .fairness.fingerprint import graph_fingerprint, inspect, kernel_fingerprint  # noqa: F401  (re-export)
-from .compiler.forward import ATTN_IMPLEMENTATION, BudgetForward  # noqa: F401  (re-export)
+from .compiler.forward import ATTN_IMPLEMENTATION, BudgetForward, frozen_runner  # noqa: F401  (re-export)
 from .kernel import DEFAULT_BLOCK, check_block
 from .cache.rope import rope_refusal_for
 from .cache.for_model import (  # noqa: F401  (re-export)
     check_rule_budget, layer_devices, model_cache, output_projections, resolve_head_pool)
-from .compiler.regions import compiled_forward
 from .rules import Rule, get
 
 
@@ -56,7 +53,7 @@ def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: in
 
 def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *, chunk_size: int | None = None,
             backend: str | None = "inductor", headroom: int = 0, block: int | None = DEFAULT_BLOCK,
-            cudagraphs: bool = False, head_pool: bool | None = None, **rule_params) -> nn.Module:
+            cudagraphs: bool = False, head_pool: bool | None = None, interval: int = 1, **rule_params) -> nn.Module:
     """Run `model` with a KV cache of at most `budget` entries per layer and KV head, evicting with `rule`.
 
     The model is modified in place (its `forward` is wrapped) and returned; `model.forward.restore()` undoes it.
@@ -87,6 +84,11 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
             share its slots, or the per-head slots (False). None (default): pooled iff the rule is head-adaptive
             (`AdaKV`, `"adakv:<rule>"`), which needs it. A uniform rule runs pooled with the same kept sets, at
             `kv_heads` times the slot-attention FLOPs (docs/DESIGN.md).
+        interval: decode steps between evictions in caches created automatically (kvpress DecodingPress's
+            `compression_interval`, its `target_size` the budget; default 1: every call evicts). Between evictions
+            a layer grows by up to `interval - 1` entries beyond the budget (the slots are allocated up front) and
+            the steps that do not evict skip the rule's scoring (they run the rule-independent frozen call); see
+            `BudgetCache` and docs/DESIGN.md §3.
         **rule_params: hyperparameters of a named rule, e.g. `window=64` for snapkv (for `"adakv:<rule>"`,
             `alpha` goes to AdaKV, the rest to the wrapped rule).
 
@@ -101,6 +103,7 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
     if getattr(model, "config", None) is not None:
         check_rule_budget(rule_obj, budget, model.config)
     check_int("headroom", headroom, 0)
+    check_int("interval", interval, 1)
     check_block(block)
     rope_refused = rope_refusal_for(model) if rule_obj.needs_rope and getattr(model, "config", None) is not None \
         else None
@@ -112,24 +115,4 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
         raise ValueError(f"rule {rule_obj.name!r} needs each attention layer's output projection (W_o), and fxbudget "
                          "cannot find it in this model (attention modules with a layer_idx and a linear o_proj)")
     return BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend, headroom=headroom,
-                         block=block, cudagraphs=cudagraphs, head_pool=head_pool).install()
-
-
-def frozen_runner(model: nn.Module, backend: str, window: int, *, block: int | None = DEFAULT_BLOCK,
-                  cudagraphs: bool = False, on_graph: Callable[[fx.GraphModule], None] | None = None
-                  ) -> Callable[..., Any]:
-    """A compiled runner of `model` for frozen calls, to share between forwards (`BudgetForward.share_frozen`).
-
-    Args:
-        model: the model (if compiled by fxbudget at the time of the call, its original forward is used).
-        backend: "inductor", "aot_eager" or "eager". window: the observation window of the forwards that share it
-            (the signal totals stored in the cache depend on it). block, cudagraphs: as for `compile`.
-        on_graph: called with each rewritten graph it compiles.
-    Returns:
-        A callable like `BudgetForward`'s compiled runner. Its graphs carry the `window` rule's scoring ops: in a
-        frozen call no score decides anything (see `share_frozen`).
-    """
-    forward = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
-    return compiled_forward(model, forward, make_backend("window", inner=backend, on_graph=on_graph, block=block,
-                                                         cudagraphs=cudagraphs, observation_window=window,
-                                                         budget_ints=False))
+                         block=block, cudagraphs=cudagraphs, head_pool=head_pool, interval=interval).install()

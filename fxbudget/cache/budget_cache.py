@@ -208,6 +208,13 @@ class BudgetCache(Cache):
             each layer's slots then live on its layer's device (`fxbudget.api.layer_devices(model)`).
         headroom: extra slots filled while eviction is frozen (`with cache.frozen(): ...`), e.g. for the question
             and answer appended after a compressed context (DESIGN §6, query-agnostic protocol).
+        interval: decode steps between evictions (kvpress DecodingPress's `compression_interval`; 1, the default,
+            evicts on every call). With `interval = k > 1` a one-token call (a decode step) that is not evicting
+            frozen appends without eviction, except every k-th since the last evicting call, which evicts down to
+            the budget (its `target_size`); calls of more tokens evict as before. Between evictions a layer holds
+            up to `budget + k - 1` entries, the evicting call attends over up to `budget + k`, and right after it
+            the layer holds the budget: the cache allocates `budget + max(headroom, k - 1)` slots (the head-room
+            and the growth share the extra slots; docs/DESIGN.md §3, "Decoding at an interval").
         layer_budgets: per-layer budgets of the full-attention layers (e.g. PyramidKV's schedule); they must sum to
             `budget` times the number of those layers, so the cache holds the same memory as a uniform one.
         head_pool: the head-pooled layout: each full-attention layer's `kv_heads x (budget + headroom)` slots are
@@ -218,10 +225,11 @@ class BudgetCache(Cache):
 
     def __init__(self, config, budget: int, batch_size: int = 1, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | list | tuple | None = None, headroom: int = 0,
-                 layer_budgets: list[int] | None = None, head_pool: bool = False):
+                 layer_budgets: list[int] | None = None, head_pool: bool = False, interval: int = 1):
         if not isinstance(head_pool, bool):
             raise ValueError(f"head_pool must be a bool, got {head_pool!r}")
-        for name, val, low in (("budget", budget, 1), ("batch_size", batch_size, 1), ("headroom", headroom, 0)):
+        for name, val, low in (("budget", budget, 1), ("batch_size", batch_size, 1), ("headroom", headroom, 0),
+                               ("interval", interval, 1)):
             check_int(name, val, low)
         n_layers, kv_heads, head_dim, heads, types = layer_shapes(config)
         windows = layer_windows(config)  # 0 = full attention: what the model's own mask code applies
@@ -251,11 +259,14 @@ class BudgetCache(Cache):
             b = sliding or next(full_budgets)
             inv_freq = layer_inv_freq(cfg, i, t, head_dim)
             layers.append(BudgetLayer(
-                layer=i, budget=b, slots=sliding or b + headroom, sliding=sliding,
+                layer=i, budget=b, slots=sliding or b + max(headroom, interval - 1), sliding=sliding,
                 batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
                 dtype=dtype, device=devices[i], inv_freq=inv_freq, call=self.call, pooled=head_pool, q_heads=heads))
         super().__init__(layers=layers)
         self.budget, self.headroom, self.dtype, self.head_pool = budget, headroom, dtype, head_pool
+        self.interval = interval
+        self._since = 0  # decode steps since the last evicting call (`interval`)
+        self.evicting = True  # whether the call being admitted may evict (False: frozen, or between evictions)
         self.devices, self.device = devices, devices[0]  # each layer's; the first layer's (positions live there)
         self.layer_budgets = [layer.budget for layer in self._budgeted()]
         # Every budgeted layer's frequencies known (`set_rope` may add them); kept on the Python side, never read back.
@@ -365,13 +376,13 @@ class BudgetCache(Cache):
         """Switch eviction off for the calls inside: new tokens go into the head-room, nothing is evicted."""
         if self._frozen:
             raise RuntimeError("BudgetCache.frozen() is not re-entrant")
-        self._frozen = True
+        self._frozen, self.evicting = True, False
         for layer in self._budgeted():
             layer.keep = layer.slots  # a static kernel argument: frozen calls compile their own graph
         try:
             yield self
         finally:
-            self._frozen = False
+            self._frozen, self.evicting = False, True
             for layer in self._budgeted():
                 layer.keep = layer.budget
 
@@ -393,17 +404,34 @@ class BudgetCache(Cache):
         """Whether `n` more tokens fit in every budgeted layer without evicting anything."""
         return all(held + n <= b for held, b in zip(self._held, self.layer_budgets))
 
-    def admit(self, n: int) -> None:
-        """Account for a call of `n` new tokens before it runs; raises if frozen and the head-room is too small."""
+    def admit(self, n: int, *, length: int | None = None) -> None:
+        """Account for a call of `n` new tokens (`length` with pads, default `n`) before it runs; raises if frozen
+        and the head-room is too small. With an `interval` > 1, decides whether a decode step (`length` 1) evicts
+        (`evicting`; the layers' `keep`): see `grows`."""
         if self._frozen:
             if any(held + n > b + self.headroom for held, b in zip(self._held, self.layer_budgets)):
                 raise RuntimeError(
                     f"eviction is frozen and {n} new tokens do not fit: {max(self._held)} held, budget "
                     f"{self.budget} + headroom {self.headroom}; build the cache with a larger headroom=")
             self._held = [held + n for held in self._held]
+        elif self.interval > 1:
+            grow = self.grows(n, n if length is None else length)
+            self._since = self._since + 1 if grow else 0
+            self.evicting = not grow
+            for layer in self._budgeted():  # a static kernel argument: growing steps run the frozen graph
+                layer.keep = layer.slots if grow else layer.budget
+            self._held = [held + n if grow else min(held + n, b) for held, b in zip(self._held, self.layer_budgets)]
         else:
             self._held = [min(held + n, b) for held, b in zip(self._held, self.layer_budgets)]
         self._empty = self._empty and n == 0
+
+    def grows(self, n: int, length: int) -> bool:
+        """Whether a call of `length` tokens (`n` real) appends without evicting under this cache's `interval`: a
+        decode step (`length` 1) that is not the `interval`-th since the last evicting call, and whose token fits in
+        every budgeted layer's `budget + interval - 1` (after frozen calls filled the head-room, it evicts). Every
+        other call evicts (and restarts the count). Always False with interval 1 (every call evicts)."""
+        return (self.interval > 1 and length == 1 and self._since + 1 < self.interval
+                and all(held + n <= b + self.interval - 1 for held, b in zip(self._held, self.layer_budgets)))
 
     @property
     def empty(self) -> bool:
@@ -414,7 +442,7 @@ class BudgetCache(Cache):
     def snapshot(self) -> dict:
         """Every layer's state (`BudgetLayer.snapshot`) and the cache's own bookkeeping, for `restore`."""
         return {"layers": [layer.snapshot() for layer in self.layers], "held": list(self._held),
-                "empty": self._empty, "next_pos": self.next_pos.clone()}
+                "empty": self._empty, "next_pos": self.next_pos.clone(), "since": self._since}
 
     def restore(self, snap: dict) -> None:
         """Put a `snapshot` back, in place (the tensors keep their addresses: a compiled forward sees the same
@@ -422,6 +450,7 @@ class BudgetCache(Cache):
         for layer, state in zip(self.layers, snap["layers"]):
             layer.load(state)
         self._held, self._empty = list(snap["held"]), snap["empty"]
+        self._since = snap.get("since", 0)
         self.next_pos.copy_(snap["next_pos"])
 
     def reset(self) -> None:
@@ -429,6 +458,7 @@ class BudgetCache(Cache):
         for layer in self._budgeted():
             layer.keep = layer.budget
         self._held, self._frozen, self._empty = [0] * len(self.layer_budgets), False, True
+        self._since, self.evicting = 0, True
         self.next_pos.zero_()
 
     def _budgeted(self):

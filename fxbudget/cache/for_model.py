@@ -76,10 +76,12 @@ def _where(devices: list[torch.device]) -> str:
 
 
 def model_cache(model: nn.Module, rule: Rule, budget: int, batch_size: int = 1, *,
-                headroom: int = 0, prompt: int | None = None, head_pool: bool | None = None) -> BudgetCache:
+                headroom: int = 0, prompt: int | None = None, head_pool: bool | None = None,
+                interval: int = 1) -> BudgetCache:
     """A fresh `BudgetCache` for `model` (its config, dtype and each layer's device, `layer_devices`) and `rule`'s
     per-layer budgets, sized for a prefill of `prompt` tokens when given (schedules such as pyramidkv's adapt to it;
-    None = the fixed schedule), in the layout `resolve_head_pool(rule, head_pool)`."""
+    None = the fixed schedule), in the layout `resolve_head_pool(rule, head_pool)`, evicting decode steps every
+    `interval` steps (`BudgetCache`)."""
     if getattr(model, "config", None) is None:
         raise ValueError("this model has no .config: pass a fxbudget.BudgetCache(config, budget) explicitly")
     pooled = resolve_head_pool(rule, head_pool)
@@ -87,7 +89,7 @@ def model_cache(model: nn.Module, rule: Rule, budget: int, batch_size: int = 1, 
     p = next(model.parameters())
     cache = BudgetCache(model.config, budget, batch_size, dtype=p.dtype, device=layer_devices(model),
                         headroom=headroom, layer_budgets=layer_budgets(rule, budget, model.config, prompt),
-                        head_pool=pooled)
+                        head_pool=pooled, interval=interval)
     cache.sized_for_prompt = prompt  # what BudgetForward checks its layer budgets against
     cache.set_rope(model_rope(model))  # the model's own frequencies (llama3, YaRN, linear, ...), not the config's
     cache.set_output_projections([w if w is not None and w.device == d else None  # offloaded weights: unknown

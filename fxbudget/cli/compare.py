@@ -25,6 +25,15 @@ def _cached_note(cached: dict[str, bool]) -> str:
     return f" ({sum(cached.values())} of {len(cached)} read from the cache)" if cached else ""
 
 
+def _interval_words(grid) -> str:
+    """The run line's words on the streaming protocol's decode interval (and the memory it adds), if above 1."""
+    if grid.interval <= 1:
+        return ""
+    k = grid.interval
+    return (f"; streaming decode evicts every {k} steps (kvpress DecodingPress, target = the budget): its caches grow "
+            f"to budget + {k - 1} entries between evictions, and allocate budget + max(head-room, {k - 1}) slots")
+
+
 def grid_of(args):
     """The `Grid` of the compare options (`--task-file` alone runs only the files; `--samples` also caps them)."""
     from ..harness.grid import Grid
@@ -36,7 +45,7 @@ def grid_of(args):
                 protocols=args.protocol, chunk_size=args.chunk_size,
                 backend=None if args.backend == "none" else args.backend, share_prefill=not args.no_share_prefill,
                 rule_params=preflight.params(args.param), task_files=args.task_file,
-                likelihood=not args.no_likelihood, task_file_samples=args.samples)
+                likelihood=not args.no_likelihood, task_file_samples=args.samples, interval=args.interval)
 
 
 def cmd_compare(args) -> int:
@@ -92,7 +101,10 @@ def cmd_compare(args) -> int:
     sizes.check_samples(sized, config, source.name, args.max_new_tokens)
     from ..harness.runner import cache_shapes
 
-    headroom = cache_shapes(grid, plan, tok, samples, args.max_new_tokens)[0]
+    try:  # a decode interval longer than a streaming sample's generation is refused here, before the model loads
+        headroom = cache_shapes(grid, plan, tok, samples, args.max_new_tokens)[0]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     for line in sizes.budget_warnings(grid, sized, config, place.dtype, headroom, args.max_new_tokens):
         print(f"[fxbudget] {line}", file=sys.stderr)
     print(f"[fxbudget] {sizes.estimate_line(grid, plan, samples, sized, config, place.device, args.max_new_tokens)}",
@@ -126,6 +138,7 @@ def _run(args, grid, source, place, samples, runner, plan, stages, total, tok) -
           f"(protocol {','.join(grid.protocols)}, {place.dtype} on {place.device}, "
           f"prefill {'shared per sample' if grid.shares_prefill else 'per rule'}, "
           f"backend {grid.backend or 'none (eager kernel)'}, cache layout {grid.layout()}"
+          f"{_interval_words(grid)}"
           f"{' (a head-adaptive rule: every rule pooled)' if grid.head_pool() else ''}); results in {runner.path}",
           file=sys.stderr)
     if grid.share_prefill and not grid.shares_prefill:

@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default: one call)")
     c.add_argument("--backend", default="none", choices=["none", "inductor", "aot_eager", "eager"],
                    help="'none' runs fxbudget's kernel eagerly; 'inductor' compiles it (slow first compiles on CPU)")
+    c.add_argument("--interval", type=int, default=d.interval, help="streaming protocol: decode steps between "
+                   "evictions (kvpress DecodingPress's compression_interval; target = the budget). Between evictions "
+                   "the cache grows by up to interval - 1 entries beyond the budget (allocated up front) and the "
+                   "rule's scoring is skipped; 1 (default) evicts on every call")
     c.add_argument("--no-share-prefill", action="store_true", help="run every rule's prefill separately")
     c.add_argument("--param", action="append", default=[], help="rule hyperparameter, e.g. snapkv.window=64")
     _rule_file_option(c)

@@ -62,12 +62,13 @@ class BudgetForward:
 
     def __init__(self, model: nn.Module, rule: Rule, budget: int, *, chunk_size: int | None,
                  backend: str | None, headroom: int, block: int | None = DEFAULT_BLOCK, cudagraphs: bool = False,
-                 head_pool: bool | None = None):
+                 head_pool: bool | None = None, interval: int = 1):
         """Build the forward of `model` (not yet installed: see `install`); the compiled graphs live here, so a
         forward installed, restored and installed again keeps them."""
         self.model, self.rule, self.budget, self.block = model, rule, budget, block
         self.head_pool = resolve_head_pool(rule, head_pool)  # the cache layout of every cache this forward uses
         self.chunk_size, self.backend, self.headroom, self.cudagraphs = chunk_size, backend, headroom, cudagraphs
+        self.interval = interval  # decode steps between evictions in the caches this forward creates (`new_cache`)
         self.window = kernel_window(rule)
         self.original = model.forward
         self.buckets: tuple[int, ...] = (chunk_size,) if chunk_size else ()
@@ -78,6 +79,7 @@ class BudgetForward:
         self._advance: dict[tuple, torch.Tensor] = {}  # one tensor per call length and device: no copy per step
         self._sliding_rule = get("window")  # the rule of sliding-window layers (eager path)
         self._frozen_runner: Callable[..., Any] | None = None
+        self._growth_runner: Callable[..., Any] | None = None  # this forward's own, when none is shared (`_run_grown`)
         # Set by a rule's own protocol around the one call it may evict in (`fxbudget.harness.kvzip_protocol`): that call is
         # never split into chunks. A `replay_only` rule refuses every other evicting call.
         self.replaying = False
@@ -159,6 +161,8 @@ class BudgetForward:
         """The compiled runner (the shared one for frozen calls), the call padded on the left to its bucket."""
         cache = next(v for v in kwargs.values() if isinstance(v, BudgetCache))
         run = self._frozen_runner if cache._frozen and self._frozen_runner is not None else self._runner
+        if not cache.evicting and not cache._frozen:
+            run = self._grown_runner()
         name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
         x = kwargs[name]
         n = x.shape[1]
@@ -176,8 +180,25 @@ class BudgetForward:
         cache.call.pos = pad_left(kwargs, name, pads, cache.call.pos)
         return unpad_outputs(run(**kwargs), n)
 
+    def _grown_runner(self) -> Callable[..., Any]:
+        """The compiled runner of a decode step between evictions (`BudgetCache.interval`): the shared frozen runner
+        if one is set (`share_frozen`), else this forward's own, built on first use. Such a step evicts nothing the
+        rule chooses (its layers keep every slot, as a frozen call does), so it runs without the rule's scoring: the
+        scoring cost is paid on the evicting steps only, which is what an interval amortizes."""
+        if self._frozen_runner is not None:
+            return self._frozen_runner
+        if self._growth_runner is None:
+            self._growth_runner = frozen_runner(self.model, self.backend, self.window, block=self.block,
+                                                cudagraphs=self.cudagraphs, on_graph=self.graphs.append)
+        return self._growth_runner
+
     def _run_eager(self, *args, **kwargs):
-        with BudgetAttentionMode(self.rule, self.window, self._sliding_rule, self.block) as mode:
+        cache = next((v for v in kwargs.values() if isinstance(v, BudgetCache)), None)
+        # A decode step between evictions (`BudgetCache.interval`) runs the kernel with the `window` rule: it evicts
+        # nothing the rule chooses (see `_grown_runner`), so the rule's scoring is skipped, as compiled.
+        grown = cache is not None and not cache.evicting and not cache._frozen
+        rule = self._sliding_rule if grown else self.rule
+        with BudgetAttentionMode(rule, self.window, self._sliding_rule, self.block) as mode:
             out = self.original(*args, **kwargs)
         if mode.pending:  # the same failure the graph pass reports when it finds no SDPA to rewrite
             raise NoBudgetAttentionError(
@@ -186,19 +207,20 @@ class BudgetForward:
         return out
 
     def new_cache(self, batch_size: int = 1, *, headroom: int | None = None,
-                  prompt: int | None = None) -> BudgetCache:
+                  prompt: int | None = None, interval: int | None = None) -> BudgetCache:
         """A fresh `BudgetCache` for this model (its dtype and device), its per-layer budgets sized for a prefill of
-        `prompt` tokens if given (pyramidkv adapts its schedule to the prompt; None = the rule's fixed schedule)."""
+        `prompt` tokens if given (pyramidkv adapts its schedule to the prompt; None = the rule's fixed schedule),
+        evicting decode steps every `interval` steps (None: this forward's `interval`)."""
         return model_cache(self.model, self.rule, self.budget, batch_size,
                            headroom=self.headroom if headroom is None else headroom, prompt=prompt,
-                           head_pool=self.head_pool)
+                           head_pool=self.head_pool, interval=self.interval if interval is None else interval)
 
     def _generate_cache(self, batch: int, n: int) -> BudgetCache:
         """The cache of a new sequence (generate()'s first call); with cudagraphs, the same one again, reset."""
         cache = self.new_cache(batch, prompt=n)
         if not self.cudagraphs:
             return cache
-        key = (batch, tuple(cache.layer_budgets), cache.headroom)
+        key = (batch, tuple(cache.layer_budgets), cache.headroom, cache.interval)
         kept = self._kept.setdefault(key, cache)
         if kept is not cache:
             kept.reset()
@@ -274,7 +296,7 @@ class BudgetForward:
             # A one-call prefill on an empty cache may skip the slots (`BudgetLayer.mark`); a chunked one does not, so
             # its chunks share one graph.
             empty = cache.empty and len(chunks) == 1
-            cache.admit(real)
+            cache.admit(real, length=sl.stop - sl.start)
             cache.call.pos, cache.call.advance = chunk_pos, self._advance_tensor(sl.stop - sl.start, x.device)
             cache.call.empty = empty
             try:
@@ -327,3 +349,23 @@ class BudgetForward:
             raise
         self._verified = True
         return out
+
+
+def frozen_runner(model: nn.Module, backend: str, window: int, *, block: int | None = DEFAULT_BLOCK,
+                  cudagraphs: bool = False, on_graph: Callable[[fx.GraphModule], None] | None = None
+                  ) -> Callable[..., Any]:
+    """A compiled runner of `model` for frozen calls, to share between forwards (`BudgetForward.share_frozen`).
+
+    Args:
+        model: the model (if compiled by fxbudget at the time of the call, its original forward is used).
+        backend: "inductor", "aot_eager" or "eager". window: the observation window of the forwards that share it
+            (the signal totals stored in the cache depend on it). block, cudagraphs: as for `compile`.
+        on_graph: called with each rewritten graph it compiles.
+    Returns:
+        A callable like `BudgetForward`'s compiled runner. Its graphs carry the `window` rule's scoring ops: in a
+        frozen call no score decides anything (see `share_frozen`).
+    """
+    forward = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
+    return compiled_forward(model, forward, make_backend("window", inner=backend, on_graph=on_graph, block=block,
+                                                         cudagraphs=cudagraphs, observation_window=window,
+                                                         budget_ints=False))

@@ -82,6 +82,9 @@ class Grid:
     task_files: list[str] = field(default_factory=list)
     likelihood: bool = True
     task_file_samples: int | None = None
+    # Decode steps between evictions under the streaming protocol (kvpress DecodingPress's compression_interval,
+    # its target_size the budget; `BudgetCache(interval=)`); 1: every call evicts. Other protocols ignore it.
+    interval: int = 1
 
     def validate(self) -> None:
         """Check the grid without a model.
@@ -99,6 +102,11 @@ class Grid:
                              f"are {', '.join(PROTOCOLS)}")
         if len(set(self.protocols)) != len(self.protocols):
             raise ValueError(f"protocols must be distinct names, got {','.join(self.protocols)}")
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
+            raise ValueError(f"--interval must be an int >= 1 (decode steps between evictions), got {self.interval!r}")
+        if self.interval > 1 and "streaming" not in self.protocols:
+            raise ValueError(f"--interval {self.interval} sets how often the streaming protocol evicts while decoding; "
+                             f"add --protocol streaming (got {','.join(self.protocols)})")
         if not self.tasks and not self.task_files:
             raise ValueError("nothing to run: give --tasks and/or --task-file")
         for t in self.tasks:
@@ -227,6 +235,8 @@ def row_key(model_name: str, grid: Grid, unit: Unit, protocol: str, rule: str, b
     # A rule runs pooled beside a head-adaptive rule, unpooled otherwise: another kernel, another row. The suffix only
     # on pooled rows keeps the keys of earlier (unpooled) results, so their runs still resume.
     key = key + "|head-pool" if rule != REFERENCE and grid.head_pool() else key
+    # Likewise a streaming row at a decode interval (the reference row too: it heads that setting's section).
+    key = key + f"|interval{grid.interval}" if protocol == "streaming" and grid.interval > 1 else key
     return key if turn is None else f"{key}|turn{turn}"
 
 

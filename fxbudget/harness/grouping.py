@@ -40,8 +40,9 @@ def sample_id(row: dict) -> tuple:
 
 
 def setting(row: dict) -> str:
-    """The protocol, plus the prefill chunk and backend when they are not the defaults."""
-    parts = [row["protocol"]] + ([f"chunk {row['chunk_size']}"] if row.get("chunk_size") else []) + \
+    """The protocol, plus the decode interval (streaming), prefill chunk and backend when they are not the defaults."""
+    parts = [row["protocol"]] + ([f"interval {row['decode_interval']}"] if (row.get("decode_interval") or 1) > 1
+                                 else []) + ([f"chunk {row['chunk_size']}"] if row.get("chunk_size") else []) + \
         ([row["backend"]] if row.get("backend") not in (None, "none") else [])
     return ", ".join(parts)
 
@@ -49,7 +50,8 @@ def setting(row: dict) -> str:
 def settings(rows) -> list[str]:
     """The settings of `rows` in protocol order (then chunk size and backend)."""
     return list(dict.fromkeys(setting(r) for r in sorted(rows, key=lambda r: (
-        PROTOCOL_ORDER.get(r["protocol"], 9), str(r.get("chunk_size")), str(r.get("backend"))))))
+        PROTOCOL_ORDER.get(r["protocol"], 9), r.get("decode_interval") or 1, str(r.get("chunk_size")),
+        str(r.get("backend"))))))
 
 
 def reference_logprobs(rows) -> dict[tuple, float]:

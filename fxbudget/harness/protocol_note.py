@@ -72,10 +72,28 @@ def run_note(rules: list[str], protocols: list[str], rule_params: dict | None = 
             "--protocol query-aware (or run both: --protocol query-agnostic,query-aware)")
 
 
-def header_note(protocols: list[str]) -> str:
-    """The report's sentence on its protocols: what each means, and which is the default."""
+def interval_note(interval: int) -> str:
+    """What the streaming protocol does at a decode interval > 1 (kvpress's DecodingPress), and the memory it holds:
+    the budget accounting of such rows (docs/DESIGN.md §3)."""
+    return (f"at decode interval {interval}: every call of several tokens (prefill, question) evicts to the budget; "
+            f"decode steps evict only every "
+            f"{interval}th step since the last eviction, down to the budget (kvpress DecodingPress's "
+            f"compression_interval {interval}, target_size the budget), and append without eviction (or the rule's "
+            f"scoring) in between, so a layer grows to budget + {interval - 1} entries between evictions (each "
+            f"evicting step attends over budget + {interval}) and holds exactly the budget after each; the cache "
+            f"allocates budget + max(head-room, {interval - 1}) slots per layer and KV head, which "
+            f"`kv_allocated_bytes` counts")
+
+
+def header_note(protocols: list[str], intervals: list[int] | None = None) -> str:
+    """The report's sentence on its protocols: what each means, and which is the default. `intervals`: the decode
+    intervals of the streaming rows (`interval_note` for each above 1)."""
+    intervals = sorted(set(intervals or [1]))
+    # Streaming at interval 1 only when some streaming rows ran at it: its "memory is the budget" is theirs alone.
     parts = [f"`{p}`{' (the default)' if p == DEFAULT_PROTOCOL else ''}: {_MEANING[p]}" for p in protocols
-             if p in _MEANING]
+             if p in _MEANING and (p != "streaming" or 1 in intervals)]
+    if "streaming" in protocols:
+        parts += [f"`streaming` {interval_note(k)}" for k in intervals if k > 1]
     return "Protocol " + "; ".join(parts) + "."
 
 

@@ -174,7 +174,8 @@ def _header(rows: list[dict], sort: str) -> list[str]:
                      "samples per rule: " + "; ".join(unequal) + ". A cell averages its own samples (the \"all "
                      "tasks\" cells pool them); the paired comparisons use only the samples every rule ran.")
     protocols = sorted({r["protocol"] for r in rows}, key=lambda p: (p != "query-agnostic", p))
-    return parts + [f"- {header_note(protocols)}", READING, f"- rules are ordered by {sort}."]
+    intervals = [r.get("decode_interval") or 1 for r in rows if r["protocol"] == "streaming"]
+    return parts + [f"- {header_note(protocols, intervals)}", READING, f"- rules are ordered by {sort}."]
 
 
 def _allocation_line(rows) -> str:

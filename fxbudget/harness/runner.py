@@ -5,6 +5,9 @@ Protocols (DESIGN §6), a column of every row and never mixed (a run may hold se
   are then appended with eviction frozen (head-room allocated up front). The rule never sees the question.
 - `query-aware`: context and question are prefilled together with eviction; the answer is appended frozen.
 - `streaming`: eviction on every call, the question and every decode step included; memory is the budget throughout.
+  At a decode interval k > 1 (`Grid.interval`, kvpress's DecodingPress): decode steps evict every k-th step only and
+  the cache grows by up to k - 1 entries beyond the budget in between (`BudgetCache(interval=)`; the rows say
+  `decode_interval`, the report states the growth).
 
 The rule `full` is the reference row: the unmodified model with transformers' own cache, no fxbudget in the path.
 
@@ -101,12 +104,19 @@ def cache_shapes(grid: Grid, plan, tokenizer, samples: dict, max_new_tokens: int
         grid: the run's grid. plan: `Runner.plan()`. tokenizer: the model's.
         samples: the sample cache (`build_samples`; samples missing from it are built into it).
         max_new_tokens: the run's answer length override (None: each sample's own).
+    Raises:
+        ValueError: a decode interval (`grid.interval`) longer than a streaming sample's generation: its decode
+            would never evict.
     """
     headroom = question_bucket = 0
     for unit, todo in plan:
         sample = _load_sample(grid, unit, tokenizer, samples)
         q = chat_ids(tokenizer, sample)[1].shape[1]
         max_new = max_new_tokens or sample.max_new_tokens
+        if grid.interval > max_new and "streaming" in {c[0] for c in todo}:
+            raise ValueError(f"--interval {grid.interval} is larger than the generation ({max_new} new tokens, "
+                             f"{unit.task}): its decode would never evict; give --interval <= {max_new} (or a larger "
+                             "--max-new-tokens)")
         m = answer_ids(tokenizer, sample).shape[1] if grid.likelihood else None
         for protocol in {c[0] for c in todo}:
             if protocol in MULTI_PROTOCOLS:  # every request's frozen tokens, and its call's length
@@ -319,7 +329,7 @@ class Runner:
                 # max_new_tokens: the cap the answer ran under (an answer at it was cut, not finished: the report's
                 # output-length comparison counts those)
                 row.update(base, protocol=protocol, budget_fraction=None if spec is None else budget_fraction(spec),
-                           max_new_tokens=max_new,
+                           max_new_tokens=max_new, decode_interval=g.interval if protocol == "streaming" else None,
                            prediction=prediction, score=score(sample, prediction),
                            key=row_key(self.model_name, g, unit, protocol, rule_name, spec))
                 yield row
@@ -374,7 +384,8 @@ class Runner:
         done = None
         try:
             if not replay:
-                cache = model.forward.new_cache(prefill_ids.shape[0], prompt=prefill_ids.shape[1])
+                cache = model.forward.new_cache(prefill_ids.shape[0], prompt=prefill_ids.shape[1],
+                                                interval=g.interval if protocol == "streaming" else 1)
             with Clock() as pre:
                 if replay:  # the context prefill and its replay: both are prefill time
                     # One cache size per budget for the run (its compiled graphs serve every sample).
