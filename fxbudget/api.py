@@ -5,6 +5,7 @@ that decodes at an interval builds one itself); their names stay importable from
 from __future__ import annotations
 
 import warnings
+
 from torch import nn
 
 from .models.architectures import check_model
