@@ -130,3 +130,43 @@ def test_bad_input_refused_in_one_line(name, params, match):
     with pytest.raises(ValueError, match=match) as e:
         get(name, **params)
     assert "\n" not in str(e.value)
+
+
+# --- fxbudget compare --decompose ------------------------------------------------------------------------------------
+
+def test_decompose_adds_both_wrappers_random_and_the_rules_params():
+    from fxbudget.cli.decompose import expand
+
+    rules, params = expand(["full", "snapkv", "h2o"], ["SnapKV"], ["snapkv.window=64", "h2o.recent_ratio=0.25"])
+    assert rules == ["full", "snapkv", "noprotect:snapkv", "protectonly:snapkv", "h2o", "random"]
+    assert params == ["snapkv.window=64", "h2o.recent_ratio=0.25", "noprotect:snapkv.window=64",
+                      "protectonly:snapkv.window=64"]
+    # random already run, a wrapper already listed: nothing doubled
+    assert expand(["random", "h2o", "noprotect:h2o"], ["h2o"], [])[0] == \
+        ["random", "h2o", "protectonly:h2o", "noprotect:h2o"]
+    assert expand(["snapkv"], None, ["x"]) == (["snapkv"], ["x"])
+
+
+def test_decompose_dry_run_plans_the_wrapped_rows(tiny_dir, tmp_path, capsys, no_model_load):
+    from fxbudget.cli import main
+
+    argv = ["compare", "--model", tiny_dir, "--tasks", "passkey", "--lengths", "300", "--samples", "1",
+            "--rules", "full,h2o", "--decompose", "h2o", "--budgets", "64", "--out", str(tmp_path / "o"),
+            "--quiet", "--dry-run"]
+    assert main(argv) == 0
+    # full + h2o, noprotect:h2o, protectonly:h2o, random at one budget = 5 rows
+    assert "--dry-run: 5 rows on 1 sample planned" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--rules", "full,snapkv", "--decompose", "h2o"],
+     r"^fxbudget compare: --decompose h2o: h2o is not among --rules \(full, snapkv\); .* add h2o to --rules$"),
+    (["--rules", "full,tova", "--decompose", "tova"], r"^fxbudget compare: --decompose tova: rule 'noprotect:tova': 'tova' protects no"),
+    (["--rules", "full,snapkv", "--decompose", "full"], r"^fxbudget compare: --decompose full: rule 'noprotect:full': 'full' never"),
+    (["--rules", "full,snapkv", "--decompose", "snapkvv"], r"^fxbudget compare: --decompose snapkvv: unknown rule 'snapkvv'"),
+])
+def test_decompose_bad_input(tiny_dir, tmp_path, capsys, no_model_load, extra, match):
+    from conftest import fails_in_one_line
+
+    fails_in_one_line(capsys, ["compare", "--model", tiny_dir, "--tasks", "passkey", "--lengths", "300",
+                               "--budgets", "64", "--out", str(tmp_path / "o"), "--dry-run", *extra], match)

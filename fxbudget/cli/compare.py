@@ -7,7 +7,7 @@ from __future__ import annotations
 import shlex
 import sys
 
-from . import names, preflight, sizes
+from . import decompose, names, preflight, sizes
 from .preflight import Stages, UsageError
 
 INTERRUPTED = 130  # the shell's status of a process ended by SIGINT
@@ -162,6 +162,7 @@ def _match_names(args) -> None:
     args.tasks = names.task_names(args.tasks)
     args.protocol = names.protocol_names(args.protocol)
     args.param = names.params(args.param)
+    args.rules, args.param = decompose.expand(args.rules, getattr(args, "decompose", None), args.param)
 
 
 def _rows_of_shard(grid, shard) -> int:
