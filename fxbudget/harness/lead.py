@@ -31,7 +31,9 @@ def _budget_clause(rows, metric: str, b) -> tuple[str, bool, int | None] | None:
         who = f"{_names(lead)} share the lead ({metric} {top.mean:.{digits}f})"
     else:
         who = f"**{top.rule}** leads ({metric} {top.mean:.{digits}f})"
-    if not same:
+    if len({r.mean for r in ranked}) == 1:
+        sure = f"on {n} paired samples"
+    elif not same:
         sure = f"ahead of every other rule (separated; {n} paired samples)"
     elif len(same) == others:
         sure = f"but not separated from any other rule ({n} paired samples)"
@@ -42,7 +44,7 @@ def _budget_clause(rows, metric: str, b) -> tuple[str, bool, int | None] | None:
     if same:
         values = paired_values(rows, metric, b)
         need = samples_for_power(values[top.rule] - values[ranked[-1].rule], others)
-    return f"at B={b}, {who}, {sure}", not same, need
+    return f"at B={b}, {who}{' ' if sure.startswith('on ') else ', '}{sure}", not same, need
 
 
 def lead_paragraph(rows: list[dict], sort: str = "accuracy") -> str:
