@@ -21,9 +21,9 @@ def test_two_samples_lead_without_separation_and_say_what_would_settle_it():
            [row("streamingllm", i, score=0.0) for i in range(2)]
     first = _opening(R.markdown(rows, []))
     assert first == ("**Answer** (by accuracy): at B=8, **snapkv** leads (accuracy 1.00), but not separated from any "
-                     "other rule (2 paired samples). To settle it: about 6 paired samples at B=8 would separate the "
-                     "leader from the last rule with 80% power (projected from these samples' differences: a guide, "
-                     "not a promise).")
+                     "other rule (2 paired samples). To settle it: about 6 paired samples at B=8 (snapkv against "
+                     "streamingllm) would separate the leader from the lowest rule not yet separated from it with 80% "
+                     "power (projected from these samples' differences: a guide, not a promise).")
     assert "Clopper" not in first and "Holm" not in first  # statistical terms are in the glossary
 
 
@@ -39,6 +39,19 @@ def test_equal_rules_get_no_projection():
     text = lead_paragraph(rows)
     assert "at B=8, all 2 rules tie (accuracy 1.00) on 3 paired samples." in text and "about" not in text
     assert "no number of such samples separates them" in text
+
+
+def test_projection_is_more_than_the_samples_at_hand():
+    # 8 samples, a leader ahead on 6 and behind on 2 of 3 rules: not separated, and the normal approximation alone
+    # would say fewer than 8.
+    a = [1.0] * 8
+    b = [0.0] * 6 + [1.0, 1.0]
+    rows = [row("a", i, score=a[i]) for i in range(8)] + [row("b", i, score=b[i]) for i in range(8)] + \
+           [row("c", i, score=b[i]) for i in range(8)]
+    text = lead_paragraph(rows)
+    assert "not separated from any other rule (8 paired samples)" in text
+    n = int(text.split("about ", 1)[1].split(" ")[0])
+    assert n >= 9
 
 
 def test_samples_for_power():

@@ -1,7 +1,8 @@
 """The report's opening paragraph: the answer first. Per setting and budget, which rule(s) lead by the report's
 sort metric, whether the paired test separates the leader from the others at this sample size (`stats.rank`), and,
-where it does not, how many paired samples would separate the leader from the last rule (`stats.samples_for_power`,
-a projection from the observed differences). The statistical terms are in the report's glossary, not here."""
+where it does not, how many paired samples would separate the leader from the lowest rule not yet separated from it
+(`stats.samples_for_power`, a projection from the observed differences; more than the samples at hand, since
+these did not separate it). The statistical terms are in the report's glossary, not here."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def _names(rules: list[str]) -> str:
 
 def _budget_clause(rows, metric: str, b) -> tuple[str, bool, int | None] | None:
     """One clause on budget `b`, whether the leader is separated from every other rule, and the projected samples
-    that would separate it from the last rule (None: settled, or no difference to project from)."""
+    that would separate it from the lowest rule not separated from it, with that rule (None: settled, or no
+    difference to project from)."""
     got = paired(rows, metric).get(b)
     if got is None:
         return None
@@ -41,10 +43,17 @@ def _budget_clause(rows, metric: str, b) -> tuple[str, bool, int | None] | None:
         sure = f"separated from {others - len(same)} of the other {others} but not from {_names(same)} ({n} " \
                "paired samples)"
     need = None
-    if same:
+    if same:  # the closest separation still open: the leader against the lowest rule not separated from it
+        target = same[-1]
         values = paired_values(rows, metric, b)
-        need = samples_for_power(values[top.rule] - values[ranked[-1].rule], others)
+        got = samples_for_power(values[top.rule] - values[target], others)
+        need = None if got is None else (max(got, n + 1), target)  # not separated at n: more than n, whatever
     return f"at B={b}, {who}{' ' if sure.startswith('on ') else ', '}{sure}", not same, need
+
+
+def lead_rule(rows, metric: str, b) -> str:
+    """The rule with the highest mean at budget `b` (ties by name), as `stats.rank` orders them."""
+    return paired(rows, metric)[b][1][0].rule
 
 
 def lead_paragraph(rows: list[dict], sort: str = "accuracy") -> str:
@@ -62,17 +71,18 @@ def lead_paragraph(rows: list[dict], sort: str = "accuracy") -> str:
             clauses.append(f"{s}, {text}" if several else text)
             open_ += not settled
             if need is not None:
-                needs.append((f"{s}, B={b}" if several else f"B={b}", need))
+                needs.append((f"{s}, B={b}" if several else f"B={b}", lead_rule(srs, sort, b), *need))
     if not clauses:
         return ("**Answer:** nothing to compare: no budget has two budgeted rules on the same samples (add rules or "
                 "budgets).")
     text = "**Answer** (by " + sort + "): " + "; ".join(clauses) + "."
     if needs:
-        text += (" To settle it: about " + ", ".join(f"{n} paired samples at {where}" for where, n in needs)
-                 + " would separate the leader from the last rule with 80% power (projected from these samples' "
-                 "differences: a guide, not a promise).")
+        text += (" To settle it: about " + "; ".join(f"{n} paired samples at {where} ({top} against {other})"
+                                                     for where, top, n, other in needs)
+                 + " would separate the leader from the lowest rule not yet separated from it with 80% power "
+                 "(projected from these samples' differences: a guide, not a promise).")
     if open_ > len(needs):
-        text += (" Where the leader and the last rule score the same on every sample pair on average, no number of "
+        text += (" Where the leader and the rules not separated from it score the same on average, no number of "
                  "such samples separates them: a harder task or a smaller budget would.")
     if not open_:
         text += " Each leader is separated from every other rule at its budget."

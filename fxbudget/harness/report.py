@@ -139,9 +139,9 @@ GLOSSARY = [
     "- **output length**: tokens generated to the end of the answer, each rule against the unmodified model on the "
     "same samples (the same test, Holm over the budget's rules); a rule \"lengthens answers\" only when separated "
     "with longer ones.",
-    "- **samples to settle** (opening paragraph): paired samples at which the leader and the last rule would be "
-    "separated with 80% power, by a normal approximation from the observed differences (Bonferroni over the "
-    "comparisons with the top).",
+    "- **samples to settle** (opening paragraph): paired samples at which the leader and the lowest rule not yet "
+    "separated from it would be separated with 80% power, by a normal approximation from the observed differences "
+    "(Bonferroni over the comparisons with the top), and more than the samples at hand.",
     "- See the documentation, \"Reading a report\" (docs/compare.md).",
 ]
 
