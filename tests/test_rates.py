@@ -19,10 +19,22 @@ def test_calibration_is_the_median_factor_and_the_latest_fixed_seconds(tmp_path)
     f.write_text(f.read_text() + "not json\n")  # a cut line is skipped
     c = rates.calibration("k", f)
     assert c == Calibration(factor=3.0, fixed=7.0, runs=3)
+    assert c.new(["snapkv"]) == ["snapkv"] and c.seconds(20, ["snapkv"]) == c.seconds(20)  # no trace measured
     assert c.seconds(20) == pytest.approx(7 + 3 * 20)
     for _ in range(rates.KEEP):  # only the last KEEP entries count
         rates.record("k", 10, 10, 1, rows=3, file=f)
     assert rates.calibration("k", f) == Calibration(factor=1.0, fixed=1.0, runs=rates.KEEP)
+
+
+def test_fingerprints_are_counted_only_for_rules_no_earlier_run_traced(tmp_path):
+    f = tmp_path / "rates.jsonl"
+    rates.record("k", 10, 20, 5, rows=4, file=f, trace_s=30.0, rules=rates.rule_ids(
+        ["full", "snapkv", "h2o"], {"h2o": {"recent_ratio": 0.25}}))
+    rates.record("k", 10, 20, 4, rows=4, file=f, trace_s=None, rules=["snapkv"])  # all cached: no new trace time
+    c = rates.calibration("k", f)
+    assert c.traced == {"snapkv", 'h2o{"recent_ratio": 0.25}'} and c.trace == 30.0 and c.fixed == 4
+    assert c.new(rates.rule_ids(["full", "snapkv", "h2o", "tova"], {})) == ["h2o", "tova"]
+    assert c.seconds(10, ["snapkv", "tova"]) == pytest.approx(4 + 2 * 10 + 30)
 
 
 def test_an_unwritable_rates_file_is_a_warning(tmp_path, capsys):
@@ -45,9 +57,10 @@ def test_second_run_is_estimated_from_the_first(tiny_dir, tmp_path, capsys, shar
     assert entry["rows"] == 2 and entry["formula_s"] > 0 and entry["rows_s"] > 0 and entry["fixed_s"] > 0
     assert main(["compare", *small, "--out", str(tmp_path / "b")]) == 0
     second = capsys.readouterr().err
+    assert entry["rules"] == ["snapkv"]
     want = Calibration(entry["rows_s"] / entry["formula_s"], entry["fixed_s"], 1).seconds(entry["formula_s"])
     m = re.search(r"; estimated (\d+) s to the end \(calibrated on this machine's last 1 run of this model, device, "
                   r"dtype, threads and backend: rows at [\d.e+-]+x the quick start's time per token, plus \d+ s of "
-                  r"model load, fingerprints and report\)", second)
+                  r"model load and report\)", second)
     assert m, second
     assert int(m.group(1)) == max(1, round(want))

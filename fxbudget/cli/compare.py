@@ -95,7 +95,7 @@ def cmd_compare(args) -> int:
         print(f"[fxbudget] {line}", file=sys.stderr)
     timing = _Timing(grid, plan, samples, sized, config, args, source, place)
     line = sizes.estimate_line(grid, plan, samples, sized, config, place.device, args.max_new_tokens,
-                               timing.calibration)
+                               timing.calibration, timing.rules)
     print(f"[fxbudget] {line}", file=sys.stderr)
     from ..harness.protocol_note import run_note
 
@@ -130,6 +130,7 @@ class _Timing:
         self.formula = sizes.formula_seconds(grid, plan, samples, sized, config, args.max_new_tokens)
         self.key = None if args.ray is not None else rates.key(place.device, place.dtype, torch.get_num_threads(),
                                                                 grid.backend, source.name)
+        self.rules = rates.rule_ids(grid.rules, grid.rule_params)
         self.calibration = rates.calibration(self.key) if self.key else None
 
     def record(self, runner) -> None:
@@ -141,7 +142,9 @@ class _Timing:
             return
         total = time.perf_counter() - self.start
         rows_s = runner.compile_s + runner.run_s
-        rates.record(self.key, self.formula, rows_s, max(0.0, total - rows_s), self.rows)
+        traced = sum(not cached for cached in runner.fingerprint_cached.values())
+        rates.record(self.key, self.formula, rows_s, max(0.0, total - rows_s - runner.fingerprint_s), self.rows,
+                     trace_s=runner.fingerprint_s / traced if traced else None, rules=self.rules)
 
 
 def _run(args, grid, source, place, samples, runner, plan, stages, total, tok, timing=None) -> int:

@@ -208,7 +208,7 @@ def _scale(config) -> float:
 
 
 def estimate_line(grid, plan, samples: dict, sized: list[tuple], config, device: str,
-                  max_new_tokens: int | None, calibration=None) -> str:
+                  max_new_tokens: int | None, calibration=None, rules: list[str] = ()) -> str:
     """The line printed before a grid starts: its rows, samples, tokens and an estimated time: calibrated on this
     machine's earlier runs (`rates.Calibration`) when there are some, else (on the CPU only) at the quick start's
     rates, which it says."""
@@ -220,10 +220,12 @@ def estimate_line(grid, plan, samples: dict, sized: list[tuple], config, device:
             f"through the model, at most {_count(steps)} decoding steps")
     formula = formula_seconds(grid, plan, samples, sized, config, max_new_tokens)
     if calibration is not None:
-        c = calibration
-        return (f"{head}; estimated {_duration(c.seconds(formula))} to the end (calibrated on this machine's last "
-                f"{plural(c.runs, 'run')} of this model, device, dtype, threads and backend: rows at {c.factor:.2g}x "
-                f"the quick start's time per token, plus {_duration(c.fixed)} of model load, fingerprints and report)")
+        c, new = calibration, len(calibration.new(rules))
+        traces = f", {_duration(new * c.trace)} tracing {plural(new, 'new kernel fingerprint')}" if new else ""
+        return (f"{head}; estimated {_duration(c.seconds(formula, rules))} to the end (calibrated on this machine's "
+                f"last {plural(c.runs, 'run')} of this model, device, dtype, threads and backend: rows at "
+                f"{c.factor:.2g}x the quick start's time per token, plus {_duration(c.fixed)} of model load and "
+                f"report{traces})")
     if device != "cpu":
         return (f"{head}; no time estimate on {device} yet (fxbudget has no committed GPU measurement; the next run "
                 "here is estimated from this one's)")
