@@ -37,6 +37,24 @@ def test_fingerprints_are_counted_only_for_rules_no_earlier_run_traced(tmp_path)
     assert c.seconds(10, ["snapkv", "tova"]) == pytest.approx(4 + 2 * 10 + 30)
 
 
+def test_estimate_line_names_new_fingerprints_only_with_a_measured_trace():
+    from fxbudget.cli import sizes
+    from fxbudget.harness.grid import Grid, Unit
+    from fxbudget.harness.tasks import Sample
+
+    grid = Grid(tasks=["passkey"], lengths=[300], rules=["full", "snapkv"], budgets=[32], samples=1)
+    sample = Sample("passkey", "c", "q", ["1"], max_new_tokens=5)
+    plan = [(Unit("passkey", 300, 0), [("query-agnostic", "full", None), ("query-agnostic", "snapkv", 32)])]
+    args = (grid, plan, {("passkey", 300): [sample]}, [(("passkey", 300), sample, 100, 10, 3)], None, "cuda:0", None)
+    timed = sizes.estimate_line(*args, Calibration(2.0, 10.0, 1, 30.0, frozenset()), ["snapkv"])
+    assert "plus 10 s of model load and report, 30 s tracing 1 new kernel fingerprint)" in timed
+    untimed = sizes.estimate_line(*args, Calibration(2.0, 10.0, 1, 0.0, frozenset()), ["snapkv"])
+    assert "plus 10 s of model load and report; 1 new kernel fingerprint not included: no earlier run timed one)" \
+        in untimed
+    cached = sizes.estimate_line(*args, Calibration(2.0, 10.0, 1, 30.0, frozenset({"snapkv"})), ["snapkv"])
+    assert cached.endswith("plus 10 s of model load and report)") and "estimated " in cached  # on a GPU too
+
+
 def test_an_unwritable_rates_file_is_a_warning(tmp_path, capsys):
     blocked = tmp_path / "file"
     blocked.write_text("")

@@ -221,7 +221,9 @@ def estimate_line(grid, plan, samples: dict, sized: list[tuple], config, device:
     formula = formula_seconds(grid, plan, samples, sized, config, max_new_tokens)
     if calibration is not None:
         c, new = calibration, len(calibration.new(rules))
-        traces = f", {_duration(new * c.trace)} tracing {plural(new, 'new kernel fingerprint')}" if new else ""
+        traces = "" if not new else (f", {_duration(new * c.trace)} tracing {plural(new, 'new kernel fingerprint')}"
+                                     if c.trace else f"; {plural(new, 'new kernel fingerprint')} not included: no "
+                                     "earlier run timed one")
         return (f"{head}; estimated {_duration(c.seconds(formula, rules))} to the end (calibrated on this machine's "
                 f"last {plural(c.runs, 'run')} of this model, device, dtype, threads and backend: rows at "
                 f"{c.factor:.2g}x the quick start's time per token, plus {_duration(c.fixed)} of model load and "
