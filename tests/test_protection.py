@@ -170,3 +170,19 @@ def test_decompose_bad_input(tiny_dir, tmp_path, capsys, no_model_load, extra, m
 
     fails_in_one_line(capsys, ["compare", "--model", tiny_dir, "--tasks", "passkey", "--lengths", "300",
                                "--budgets", "64", "--out", str(tmp_path / "o"), "--dry-run", *extra], match)
+
+
+def test_decomposed_run_reports_where_the_gain_comes_from(tiny_dir, tmp_path, capsys, shared_fingerprints):
+    from fxbudget.cli import main
+    from fxbudget.harness.report import load_rows
+
+    out = tmp_path / "o"
+    assert main(["compare", "--model", tiny_dir, "--tasks", "passkey", "--lengths", "300", "--samples", "2",
+                 "--max-new-tokens", "2", "--rules", "full,h2o", "--decompose", "h2o", "--budgets", "32",
+                 "--quiet", "--out", str(out)]) == 0
+    rows = load_rows([out])
+    assert sorted({r["rule"] for r in rows}) == ["full", "h2o", "noprotect:h2o", "protectonly:h2o", "random"]
+    assert len({r["kernel_fingerprint"] for r in rows if r["rule"] != "full"}) == 1  # one kernel for all four
+    report = (out / "report.md").read_text()
+    section = report.split("## where the gain comes from: score or protection", 1)[1].split("\n## ", 1)[0]
+    assert "| h2o | 32 | accuracy | 2 |" in section and "| h2o | 32 | likelihood | 2 |" in section
