@@ -15,10 +15,10 @@ def _names(rules: list[str]) -> str:
     return ", ".join(rules[:-1]) + f" and {rules[-1]}" if len(rules) > 1 else rules[0]
 
 
-def _budget_clause(rows, metric: str, b) -> tuple[str, bool, int | None] | None:
-    """One clause on budget `b`, whether the leader is separated from every other rule, and the projected samples
-    that would separate it from the lowest rule not separated from it, with that rule (None: settled, or no
-    difference to project from)."""
+def _budget_clause(rows, metric: str, b) -> tuple[str, bool, tuple[int, str, str] | None] | None:
+    """One clause on budget `b`, whether the leader is separated from every other rule, and `(samples, leader,
+    rule)`: the projected paired samples that would separate the leader from the lowest rule not separated from it
+    (None: settled, or no difference to project from). None when budget `b` has nothing to compare."""
     got = paired(rows, metric).get(b)
     if got is None:
         return None
@@ -47,13 +47,8 @@ def _budget_clause(rows, metric: str, b) -> tuple[str, bool, int | None] | None:
         target = same[-1]
         values = paired_values(rows, metric, b)
         got = samples_for_power(values[top.rule] - values[target], others)
-        need = None if got is None else (max(got, n + 1), target)  # not separated at n: more than n, whatever
+        need = None if got is None else (max(got, n + 1), top.rule, target)  # not separated at n: more than n
     return f"at B={b}, {who}{' ' if sure.startswith('on ') else ', '}{sure}", not same, need
-
-
-def lead_rule(rows, metric: str, b) -> str:
-    """The rule with the highest mean at budget `b` (ties by name), as `stats.rank` orders them."""
-    return paired(rows, metric)[b][1][0].rule
 
 
 def lead_paragraph(rows: list[dict], sort: str = "accuracy") -> str:
@@ -71,14 +66,14 @@ def lead_paragraph(rows: list[dict], sort: str = "accuracy") -> str:
             clauses.append(f"{s}, {text}" if several else text)
             open_ += not settled
             if need is not None:
-                needs.append((f"{s}, B={b}" if several else f"B={b}", lead_rule(srs, sort, b), *need))
+                needs.append((f"{s}, B={b}" if several else f"B={b}", *need))
     if not clauses:
         return ("**Answer:** nothing to compare: no budget has two budgeted rules on the same samples (add rules or "
                 "budgets).")
     text = "**Answer** (by " + sort + "): " + "; ".join(clauses) + "."
     if needs:
         text += (" To settle it: about " + "; ".join(f"{n} paired samples at {where} ({top} against {other})"
-                                                     for where, top, n, other in needs)
+                                                     for where, n, top, other in needs)
                  + " would separate the leader from the lowest rule not yet separated from it with 80% power "
                  "(projected from these samples' differences: a guide, not a promise).")
     if open_ > len(needs):
