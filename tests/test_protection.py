@@ -186,3 +186,4 @@ def test_decomposed_run_reports_where_the_gain_comes_from(tiny_dir, tmp_path, ca
     report = (out / "report.md").read_text()
     section = report.split("## where the gain comes from: score or protection", 1)[1].split("\n## ", 1)[0]
     assert "| h2o | 32 | accuracy | 2 |" in section and "| h2o | 32 | likelihood | 2 |" in section
+    assert "(needle_noprotect_h2o.png)" in report or "(heatmap_noprotect_h2o.png)" in report  # no colon in a link
