@@ -140,10 +140,10 @@ def _section(report: str, title: str) -> str:
 
 
 def _cost(report: str) -> str:
-    """Each protocol's cost table, headed by the protocol."""
+    """Each protocol's cost table, headed by the protocol (the line that says what its times are left out)."""
     out = []
     for m in re.finditer(r"## protocol: ([^,\n]+),[^\n]*\n(.*?)(?=\n## |\Z)", report, re.S):
-        cost = re.search(r"### cost \(mean per sample\)\n\n(\|.*?)(?:\n\n|$)", m.group(2), re.S)
+        cost = re.search(r"### cost \(mean per sample\)\n\n(?:[^|\n][^\n]*\n\n)?(\|.*?)(?:\n\n|$)", m.group(2), re.S)
         if cost:
             out += [f"{m.group(1)}:", "", cost.group(1).strip(), ""]
     return "\n".join(out).strip()

@@ -94,6 +94,13 @@ def registry_restored():
 
 
 @pytest.fixture(autouse=True)
+def _own_rates_file(tmp_path_factory, monkeypatch):
+    """Each test's `compare` runs record their rates in a file of their own (`fxbudget.cli.rates`), so an estimate
+    line never depends on the runs of other tests or of the user's machine."""
+    monkeypatch.setenv("FXBUDGET_RATES", str(tmp_path_factory.mktemp("rates") / "rates.jsonl"))
+
+
+@pytest.fixture(autouse=True)
 def _registry_restored():
     """Rules a test registers stay in that test: the registry is process-wide, and with pytest-xdist a later test in
     the same worker (e.g. cross_device's "every registered rule") would otherwise see them."""

@@ -16,11 +16,29 @@ def _ids(n=6):
     return torch.arange(n).view(1, n) % 16
 
 
+def _wrapped_forms() -> list[str]:
+    """Every wrapper form of the uniform layout (`noprotect:`, `protectonly:`; head-adaptive `adakv:` runs on the
+    pooled layout: tests/test_adakv.py) around every registered rule it accepts: a wrapper registered later is
+    picked up here without touching this test."""
+    out = []
+    for prefix in fxbudget.rules.wrapper_prefixes():
+        for rule in fxbudget.rules.available():
+            try:
+                wrapped = fxbudget.rules.get(prefix + rule)
+            except ValueError:  # e.g. noprotect: of a rule that protects nothing
+                continue
+            if not wrapped.head_adaptive:
+                out.append(prefix + rule)
+    return out
+
+
 def test_fingerprint_equal_across_rules(monkeypatch):
     model = tiny_model("qwen2", layers=2)
     ids = torch.randint(0, 96, (1, 12))
+    forms = _wrapped_forms()
+    assert {"noprotect:snapkv", "protectonly:h2o", "protectonly:expected_attention"} <= set(forms)
     prints = {rule: fxbudget.kernel_fingerprint(model, ids, rule=rule, budget=40)
-              for rule in fxbudget.rules.available()}  # pyramidkv's two layers hold 62 and 18 slots
+              for rule in fxbudget.rules.available() + forms}  # pyramidkv's two layers hold 62 and 18 slots
     assert len(set(prints.values())) == 1, prints
     # The hash does see the kernel: a change to the shared measure phase changes it.
     from fxbudget.passes import sdpa

@@ -1,6 +1,7 @@
 """The combination matrix (issue 29), generated from the rule registry: a rule joins it by being registered.
 
-Factors: every rule in each of its forms (plain, `adakv:` and `Pyramid`) x layout (per-head slots, head pool) x
+Factors: every rule in each of its forms (plain, each wrapper prefix: `adakv:`, `noprotect:`, `protectonly:` where
+it takes the rule, and `Pyramid`) x layout (per-head slots, head pool) x
 protocol (query-agnostic, query-aware, streaming; kvzip's replay for replay-only rules) x backend (the eager kernel,
 aot_eager) x architecture feature (GQA, MQA, MHA, partial rotary, NoPE layers, a model-wide and a per-layer sliding
 window, a left-padded batch). Every (form, layout, protocol) cell is run; the backend and architecture rotate over
@@ -87,8 +88,17 @@ def forms() -> list[str]:
         out.append(name)
         if get(name).never_evicts:
             continue
-        out += [prefix + name for prefix in wrapper_prefixes()] + [f"pyramid({name})"]
+        out += [prefix + name for prefix in wrapper_prefixes() if _wraps(prefix, name)] + [f"pyramid({name})"]
     return out
+
+
+def _wraps(prefix: str, name: str) -> bool:
+    """Whether the wrapper takes the rule (`noprotect:`/`protectonly:` refuse a rule that protects nothing)."""
+    try:
+        get(prefix + name)
+    except ValueError:
+        return False
+    return True
 
 
 def _rule(form: str, budget: int):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import shlex
 import sys
 
-from . import names, preflight, sizes
+from . import decompose, names, preflight, sizes
 from .preflight import Stages, UsageError
 
 INTERRUPTED = 130  # the shell's status of a process ended by SIGINT
@@ -107,8 +107,10 @@ def cmd_compare(args) -> int:
         raise UsageError(str(e)) from None
     for line in sizes.budget_warnings(grid, sized, config, place.dtype, headroom, args.max_new_tokens):
         print(f"[fxbudget] {line}", file=sys.stderr)
-    print(f"[fxbudget] {sizes.estimate_line(grid, plan, samples, sized, config, place.device, args.max_new_tokens)}",
-          file=sys.stderr)
+    timing = _Timing(grid, plan, samples, sized, config, args, source, place)
+    line = sizes.estimate_line(grid, plan, samples, sized, config, place.device, args.max_new_tokens,
+                               timing.calibration, timing.rules)
+    print(f"[fxbudget] {line}", file=sys.stderr)
     from ..harness.protocol_note import run_note
 
     note = run_note(grid.rules, grid.protocols, grid.rule_params)
@@ -121,12 +123,45 @@ def cmd_compare(args) -> int:
         return 0
     stages.mark("tokenizer and samples")
     try:
-        return _run(args, grid, source, place, samples, runner, plan, stages, total, tok)
+        return _run(args, grid, source, place, samples, runner, plan, stages, total, tok, timing)
     except KeyboardInterrupt:
         return _interrupted(args, runner, total)
 
 
-def _run(args, grid, source, place, samples, runner, plan, stages, total, tok) -> int:
+class _Timing:
+    """The start estimate's calibration (`rates`) and, at the end of a run that is not on Ray, the record of what
+    it measured against the estimate."""
+
+    def __init__(self, grid, plan, samples, sized, config, args, source, place):
+        import time
+
+        import torch
+
+        from ..harness.grid import plan_rows
+        from . import rates
+
+        self.start, self.rows = time.perf_counter(), plan_rows(plan)
+        self.formula = sizes.formula_seconds(grid, plan, samples, sized, config, args.max_new_tokens)
+        self.key = None if args.ray is not None else rates.key(place.device, place.dtype, torch.get_num_threads(),
+                                                                grid.backend, source.name)
+        self.rules = rates.rule_ids(grid.rules, grid.rule_params)
+        self.calibration = rates.calibration(self.key) if self.key else None
+
+    def record(self, runner) -> None:
+        import time
+
+        from . import rates
+
+        if self.key is None or self.formula <= 0:
+            return
+        total = time.perf_counter() - self.start
+        rows_s = runner.compile_s + runner.run_s
+        traced = sum(not cached for cached in runner.fingerprint_cached.values())
+        rates.record(self.key, self.formula, rows_s, max(0.0, total - rows_s - runner.fingerprint_s), self.rows,
+                     trace_s=runner.fingerprint_s / traced if traced else None, rules=self.rules)
+
+
+def _run(args, grid, source, place, samples, runner, plan, stages, total, tok, timing=None) -> int:
     """Load the model (unless on Ray), run the rows, report."""
     if args.ray is None:
         runner = _load(args, grid, source, place, samples, tok)
@@ -166,6 +201,8 @@ def _run(args, grid, source, place, samples, runner, plan, stages, total, tok) -
     _tables(args, grid)
     print(f"\nreport (paired comparisons per budget): {path}\nplots, summary.csv, paired.csv: {path.parent}")
     stages.mark("report")
+    if timing is not None:
+        timing.record(runner)
     print(f"[fxbudget] {stages.line()}{workers}; Python's exit follows", file=sys.stderr)
     return 0
 
@@ -177,6 +214,7 @@ def _match_names(args) -> None:
     args.tasks = names.task_names(args.tasks)
     args.protocol = names.protocol_names(args.protocol)
     args.param = names.params(args.param)
+    args.rules, args.param = decompose.expand(args.rules, getattr(args, "decompose", None), args.param)
 
 
 def _rows_of_shard(grid, shard) -> int:

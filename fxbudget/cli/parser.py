@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     _task_options(c, d)
     c.add_argument("--rules", type=_names, default=_joined(d.rules),
                    help="'full' = the unmodified model (reference row); see `fxbudget rules`")
+    c.add_argument("--decompose", type=_names, default=None, metavar="RULES",
+                   help="comma-separated rules of --rules to split into score and protection: adds "
+                        "noprotect:<rule>, protectonly:<rule> and random; the report says where each one's gain "
+                        "comes from")
     c.add_argument("--budgets", type=_budgets, default=_joined(d.budgets), help="KV entries per layer and KV head "
                    "(128), or percentages of each sample's context tokens (12.5%%); one kind per run")
     c.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default: one call)")

@@ -22,6 +22,11 @@ WRAPPERS = ("Wrappers of any rule above:\n"
             "- `adakv:<rule>` (`alpha=0.2`; every other parameter goes to `<rule>`): AdaKV's head-adaptive budgets, "
             "each head keeps its top `alpha x budget`, the rest of the layer's `kv_heads x budget` by one top-k over "
             "its heads (head-pooled cache: the uniform budget's memory), e.g. `adakv:snapkv`\n"
+            "- `noprotect:<rule>` (a rule that protects tokens): its score with nothing force-kept (its sinks/window "
+            "compete like any token)\n"
+            "- `protectonly:<rule>` (`random_seed=0`): the rule's protected tokens kept, the rest at random (the "
+            "`random` rule's draw); with `noprotect:` it splits a rule's gain into score and protection "
+            "(`fxbudget compare --decompose`)\n"
             "- `fxbudget.rules.Pyramid(rule, beta=20)` (Python): PyramidKV's per-layer budget schedule")
 
 

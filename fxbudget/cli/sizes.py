@@ -4,9 +4,10 @@
 - a budget at or above a sample's context is warned about, with what its cache costs against the unmodified model's;
 - the grid's rows, the tokens they put through the model and an estimated time are printed before it starts.
 
-The time estimate is rough, and says so: tokens per second of the embedded 0.5B model on one CPU thread, measured
-in the committed quick start (`docs/quickstart/results.jsonl`), scaled by the model's size. There is no committed GPU
-measurement, so on a GPU only the rows and tokens are printed.
+The time estimate: tokens per second of the embedded 0.5B model on one CPU thread, measured in the committed quick
+start (`docs/quickstart/results.jsonl`), scaled by the model's size, then calibrated on this machine's own earlier
+runs (`rates`: their measured time per token and the time around the rows). Without an earlier run it is rough and
+says so; on a GPU without one only the rows and tokens are printed.
 """
 
 from __future__ import annotations
@@ -195,23 +196,45 @@ def grid_tokens(grid, plan, samples: dict, sized: list[tuple], max_new_tokens: i
     return prefill, steps
 
 
+def formula_seconds(grid, plan, samples: dict, sized: list[tuple], config, max_new_tokens: int | None) -> float:
+    """The grid's seconds at the committed quick start's rates (one CPU thread), scaled by model size: the base
+    that `rates` calibrates on this machine."""
+    prefill, steps = grid_tokens(grid, plan, samples, sized, max_new_tokens)
+    return _scale(config) * (prefill / CPU_PREFILL_TOKENS_S + steps / CPU_DECODE_STEPS_S)
+
+
+def _scale(config) -> float:
+    return _compute_params(config) / _compute_params(EMBEDDED_SHAPE) if config is not None else 1.0
+
+
 def estimate_line(grid, plan, samples: dict, sized: list[tuple], config, device: str,
-                  max_new_tokens: int | None) -> str:
-    """The line printed before a grid starts: its rows, samples, tokens and (on the CPU) an estimated time."""
+                  max_new_tokens: int | None, calibration=None, rules: list[str] = ()) -> str:
+    """The line printed before a grid starts: its rows, samples, tokens and an estimated time: calibrated on this
+    machine's earlier runs (`rates.Calibration`) when there are some, else (on the CPU only) at the quick start's
+    rates, which it says."""
     prefill, steps = grid_tokens(grid, plan, samples, sized, max_new_tokens)
     from ..harness.grid import plan_rows
 
     rows = plan_rows(plan)
     head = (f"{plural(rows, 'row')} on {plural(len(plan), 'sample')}: {_count(prefill)} prompt and answer tokens "
             f"through the model, at most {_count(steps)} decoding steps")
+    formula = formula_seconds(grid, plan, samples, sized, config, max_new_tokens)
+    if calibration is not None:
+        c, new = calibration, len(calibration.new(rules))
+        traces = "" if not new else (f", {_duration(new * c.trace)} tracing {plural(new, 'new kernel fingerprint')}"
+                                     if c.trace else f"; {plural(new, 'new kernel fingerprint')} not included: no "
+                                     "earlier run timed one")
+        return (f"{head}; estimated {_duration(c.seconds(formula, rules))} to the end (calibrated on this machine's "
+                f"last {plural(c.runs, 'run')} of this model, device, dtype, threads and backend: rows at "
+                f"{c.factor:.2g}x the quick start's time per token, plus {_duration(c.fixed)} of model load and "
+                f"report{traces})")
     if device != "cpu":
-        return f"{head}; no time estimate on {device} (fxbudget has no committed GPU measurement to base one on)"
-    scale = _compute_params(config) / _compute_params(EMBEDDED_SHAPE) if config is not None else 1.0
-    seconds = scale * (prefill / CPU_PREFILL_TOKENS_S + steps / CPU_DECODE_STEPS_S)
-    return (f"{head}; estimated {_duration(seconds)} (a rough estimate: the embedded 0.5B model's "
+        return (f"{head}; no time estimate on {device} yet (fxbudget has no committed GPU measurement; the next run "
+                "here is estimated from this one's)")
+    return (f"{head}; estimated {_duration(formula)} (a rough estimate: the embedded 0.5B model's "
             f"{CPU_PREFILL_TOKENS_S:.0f} prompt tokens/s and {CPU_DECODE_STEPS_S:.0f} steps/s on one CPU thread, from "
-            f"the committed quick start, scaled {scale:.2g}x by model size; model load and kernel fingerprints not "
-            "included)")
+            f"the committed quick start, scaled {_scale(config):.2g}x by model size; model load and kernel "
+            "fingerprints not included; the next run on this machine is calibrated on this one's measured rate)")
 
 
 def _size(n: int) -> str:

@@ -247,13 +247,13 @@ def check_rule_params(rules: list[str], params: dict[str, dict]) -> None:
     Raises:
         ValueError: naming the rule, the field and the valid fields.
     """
-    from ..rules import available
+    from ..rules import available, wrapper_prefixes
 
     for rule, values in params.items():
         names = rule_fields(rule)
         if names is None:
             raise ValueError(f"--param {rule}.*: unknown rule {rule!r}; known rules: {', '.join(available())}, "
-                             "and adakv:<rule> for any of them")
+                             f"and {', '.join(p + '<rule>' for p in wrapper_prefixes())} for any of them")
         if rule not in rules:
             raise ValueError(f"--param {rule}.*: {rule} is not among the rules run ({', '.join(rules)})")
         for name in values:

@@ -45,10 +45,12 @@ def plot(rows: list[dict], out_dir: Path, sort: str = "accuracy") -> list[str]:
     if shape != "none":
         for rule in rule_order(needle, sort):
             rs = [r for r in needle if r["rule"] == rule]
+            # A wrapper's colon (`noprotect:h2o`) would read as a URL scheme in the report's image link.
+            file = rule.replace(":", "_")
             if shape == "heatmap":
-                written.append(_save(heatmap_figure(rs, rule), out_dir / f"heatmap_{rule}.png"))
+                written.append(_save(heatmap_figure(rs, rule), out_dir / f"heatmap_{file}.png"))
             else:
-                written.append(_save(needle_bars_figure(rs, rule), out_dir / f"needle_{rule}.png"))
+                written.append(_save(needle_bars_figure(rs, rule), out_dir / f"needle_{file}.png"))
     return written
 
 

@@ -11,13 +11,16 @@ from statistics import mean
 
 from ..models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_WEIGHTS
 from .answers import answers_tables
+from .decomposition import decomposed_rules, decomposition_section
 from .grouping import (METRICS, budget_label, budgets, by, logprob_delta, mean_or_none, metric_values,
                        reference_logprobs, rule_order, sample_id, setting, settings, unequal_samples)
+from .lead import lead_paragraph
 from .protocol_note import header_note, section_note
 from .report_turns import has_turns, turn_sections
 from .results import read_rows
 from .runner import REFERENCE
 from .stats import leaders, mean_interval, no_interval_reason
+from .cost_note import cost_note
 from .tables import (accuracy_table, cost_table, end_to_end_s, length_table, length_tables, likelihood_table, mean_mib,
                      paired, paired_tables)
 
@@ -120,17 +123,27 @@ def paired_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-READING = ("- cells: mean [95% interval] (samples). Accuracy: exact Clopper-Pearson where every score of the cell is "
-           "0/1, else a percentile bootstrap over samples. Log-likelihood, two columns per budget: `log-prob/token`, "
-           "the absolute mean log-prob per gold-answer token, and `Δ vs full`, that minus the unmodified model's on "
-           "the same sample (nats; 0 = no loss), its interval by inverting the paired sign-flip test (none below 6 "
-           "samples: the cell says so). Paired comparisons: sign-flip permutation test on per-sample differences, "
-           "Holm-adjusted over the comparisons with the top rule (highest mean); tier 1 = cannot be told apart from "
-           "the top at this sample size; \"best\" only for a rule separated from every other one. Output length: "
-           "tokens generated to the end of the answer, beside accuracy with the end-to-end seconds (prefill + decode "
-           "to the last token); each rule against the unmodified model on the same samples, the same sign-flip test, "
-           "Holm over the budget's rules; a rule \"lengthens answers\" only when separated with longer ones. See the "
-           "documentation, \"Reading a report\" (docs/compare.md).")
+GLOSSARY = [
+    "- **cell**: mean [95% interval] (samples).",
+    "- **accuracy interval**: exact Clopper-Pearson where every score of the cell is 0/1, else a percentile bootstrap "
+    "over samples.",
+    "- **log-likelihood**, two columns per budget: `log-prob/token`, the absolute mean log-prob per gold-answer token, "
+    "and `Δ vs full`, that minus the unmodified model's on the same sample (nats; 0 = no loss), its interval by "
+    "inverting the paired sign-flip test (none below 6 samples: the cell says so).",
+    "- **paired comparison**: two rules on the same samples, a sign-flip permutation test on the per-sample "
+    "differences; **Holm**: its p adjusted over the comparisons with the top rule (highest mean).",
+    "- **separated**: Holm p < 0.05. **tier** k: the rules not separated from the best of those left after tiers "
+    "1..k-1 (tier 1: not separated from the top). **undecided**: a rule separated neither from the top nor from the "
+    "last rule (a tier number would read as a standing this sample size does not give); \"best\" only for a rule "
+    "separated from every other one.",
+    "- **output length**: tokens generated to the end of the answer, each rule against the unmodified model on the "
+    "same samples (the same test, Holm over the budget's rules); a rule \"lengthens answers\" only when separated "
+    "with longer ones.",
+    "- **samples to settle** (opening paragraph): paired samples at which the leader and the lowest rule not yet "
+    "separated from it would be separated with 80% power, by a normal approximation from the observed differences "
+    "(Bonferroni over the comparisons with the top), and more than the samples at hand.",
+    "- See the documentation, \"Reading a report\" (docs/compare.md).",
+]
 
 
 def _values(rows, key: str) -> str:
@@ -175,7 +188,8 @@ def _header(rows: list[dict], sort: str) -> list[str]:
                      "tasks\" cells pool them); the paired comparisons use only the samples every rule ran.")
     protocols = sorted({r["protocol"] for r in rows}, key=lambda p: (p != "query-agnostic", p))
     intervals = [r.get("decode_interval") or 1 for r in rows if r["protocol"] == "streaming"]
-    return parts + [f"- {header_note(protocols, intervals)}", READING, f"- rules are ordered by {sort}."]
+    return parts + [f"- {header_note(protocols, intervals)}", f"- rules are ordered by {sort}; statistical terms: the "
+                    "glossary at the end."]
 
 
 def _allocation_line(rows) -> str:
@@ -207,7 +221,8 @@ def markdown(rows: list[dict], plots: list[str], sort: str = "accuracy") -> str:
     """The report: setup, the kernel fingerprint check, the settings side by side, then per protocol the accuracy
     and likelihood tables, the paired comparisons per budget, overall and per task, the answers per sample and the
     cost."""
-    parts = ["# fxbudget comparison", ""] + _header(rows, sort)
+    parts = ["# fxbudget comparison", "", lead_paragraph(rows, sort), "", "## setup", ""] + _header(rows, sort)
+    parts += [""] + decomposition_section(rows) if decomposed_rules(rows) else []
     if len(settings(rows)) > 1:
         parts += ["", "## settings side by side, all tasks", "", "### accuracy", "",
                   accuracy_table(rows, sort, by_setting=True)]
@@ -222,20 +237,24 @@ def markdown(rows: list[dict], plots: list[str], sort: str = "accuracy") -> str:
                 parts += [note, ""]
             if has_turns(crs):
                 parts += [TURNS_NOTE, ""]
-            parts += _section(crs, sort, "all tasks")
+            tasks = by(crs, "task")
+            # One task: its tables once, under its own name (the "all tasks" tables would be the same ones).
+            parts += _section(crs, sort, "all tasks" if len(tasks) > 1 else
+                              f"{next(iter(tasks))} ({_context(crs)})")
             if has_turns(crs):
                 parts += turn_sections(crs, sort, DETAILS)
-            for task, trs in by(crs, "task").items():
+            for task, trs in tasks.items() if len(tasks) > 1 else ():
                 parts += _section(trs, sort, f"{task} ({_context(trs)})", details=True)
             summary = "expected vs each rule's output (✓ all expected answers found, ✗ none; full: results.jsonl)"
             parts += ["### answers per sample", "", DETAILS.format(summary), "", answers_tables(crs, sort), "",
                       "</details>", ""]
-            parts += ["### cost (mean per sample)", "", cost_table(crs, sort)]
+            parts += ["### cost (mean per sample)", "", cost_note(crs), "", cost_table(crs, sort)]
     from .plots import needle_note  # no matplotlib at import: the plots module imports it where it draws
 
     note = needle_note(rows)
     if plots or note:
         parts += ["", "## plots", ""] + [f"![{p}]({p})" for p in plots] + ([""] + [note] if note else [])
+    parts += ["", "## glossary", ""] + GLOSSARY
     return "\n".join(parts) + "\n"
 
 

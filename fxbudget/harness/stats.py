@@ -424,3 +424,36 @@ def bootstrap_ratio_interval(num, den, level: float = LEVEL, n_boot: int = 2000,
     draws = num[idx].mean(axis=1)[keep] / d[keep]
     lo, hi = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
     return ratio, float(lo), float(hi)
+
+
+def samples_for_power(d, comparisons: int = 1, alpha: float = ALPHA, power: float = 0.8) -> int | None:
+    """Paired samples at which a difference like `d`'s (per-sample differences of two rules) would be separated
+    with probability `power`: the normal approximation `((z(1 - alpha / (2 m)) + z(power)) sd / |mean|)^2` with
+    Bonferroni over `m = comparisons` (Holm's first step), never below `samples_to_separate`. A projection from the
+    observed differences (it assumes new samples look like these), not a measurement.
+
+    Returns:
+        The sample count, or None when the mean difference is 0 (no sample size separates what does not differ).
+    """
+    from statistics import NormalDist
+
+    d = np.asarray(d, dtype=np.float64)
+    m = float(d.mean()) if len(d) else 0.0
+    floor = samples_to_separate(comparisons, alpha)
+    if abs(m) < 1e-12:
+        return None
+    sd = float(d.std(ddof=1)) if len(d) > 1 else 0.0
+    z = NormalDist().inv_cdf(1 - alpha / (2 * comparisons)) + NormalDist().inv_cdf(power)
+    return max(floor, math.ceil((z * sd / abs(m)) ** 2))
+
+
+def undecided(values: dict[str, np.ndarray], alpha: float = ALPHA) -> set[str]:
+    """The rules of `values` (as `rank` takes them) separated neither from the top nor from the last rule: tier 1
+    of `rank` and tier 1 of the ranking from the bottom. A report prints "undecided" for them, not a tier that
+    would read as a standing."""
+    if len(values) < 2:
+        return set()
+    top = {r.rule for r in rank(values, alpha) if r.tier == 1}
+    bottom = {r.rule for r in rank({k: -np.asarray(v, dtype=np.float64) for k, v in values.items()}, alpha)
+              if r.tier == 1}
+    return top & bottom

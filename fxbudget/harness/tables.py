@@ -14,7 +14,7 @@ from .grouping import (METRICS, budget_label, budget_order, budgets, logprob_del
                        reference_logprobs, rule_order, sample_id, setting, settings)
 from .runner import REFERENCE
 from .stats import (ALPHA, holm, leaders, mean_interval, no_interval_reason, paired_diff, rank, samples_to_separate,
-                    separation_sentence, smallest_p)
+                    separation_sentence, smallest_p, undecided)
 
 
 def _columns(rows, by_setting: bool) -> list[tuple[str, str | None, object]]:
@@ -165,25 +165,34 @@ def paired(rows: list[dict], metric: str) -> dict:
     """
     out = {}
     for b in budgets(rows):
-        by_rule: dict[str, dict] = defaultdict(dict)
-        for r in rows:
-            if r["rule"] != REFERENCE and budget_label(r) == b and r.get(METRICS[metric]) is not None:
-                by_rule[r["rule"]][sample_id(r)] = r[METRICS[metric]]
-        common = set.intersection(*(set(v) for v in by_rule.values())) if by_rule else set()
-        if len(by_rule) < 2 or not common:
-            continue
-        ids = sorted(common, key=str)
-        out[b] = (len(ids), rank({rule: np.array([v[i] for i in ids]) for rule, v in by_rule.items()}))
+        values = paired_values(rows, metric, b)
+        if values:
+            out[b] = (len(next(iter(values.values()))), rank(values))
     return out
 
 
-def _diff_cells(ranked: dict, rule: str, digits: int, tied: bool) -> list[str]:
+def paired_values(rows: list[dict], metric: str, b) -> dict[str, np.ndarray] | None:
+    """Per budgeted rule at budget label `b`: its `metric` values on the samples every one of them ran, aligned;
+    None when fewer than two rules have the metric on common samples."""
+    by_rule: dict[str, dict] = defaultdict(dict)
+    for r in rows:
+        if r["rule"] != REFERENCE and budget_label(r) == b and r.get(METRICS[metric]) is not None:
+            by_rule[r["rule"]][sample_id(r)] = r[METRICS[metric]]
+    common = set.intersection(*(set(v) for v in by_rule.values())) if by_rule else set()
+    if len(by_rule) < 2 or not common:
+        return None
+    ids = sorted(common, key=str)
+    return {rule: np.array([v[i] for i in ids]) for rule, v in by_rule.items()}
+
+
+def _diff_cells(ranked: dict, rule: str, digits: int, tied: bool, open_: set) -> list[str]:
     r = ranked.get(rule)
     if r is None:
         return ["-", "-", "-"]
+    tier = "undecided" if rule in open_ else str(r.tier)  # `stats.undecided`: no standing at this sample size
     if r.vs_best is None:
-        return ["top (tied)" if tied else "top", "", str(r.tier)]
-    return [interval(r.vs_best, digits), f"{r.p_holm:.3f}", str(r.tier)]
+        return ["top (tied)" if tied else "top", "", tier]
+    return [interval(r.vs_best, digits), f"{r.p_holm:.3f}", tier]
 
 
 def verdict(metric: str, ranked: list) -> str:
@@ -205,8 +214,8 @@ def verdict(metric: str, ranked: list) -> str:
 def paired_tables(rows: list[dict], sort: str = "accuracy", heading: str = "####") -> str:
     """Markdown: for each budget, the rules ranked by `sort`, each against the top one by accuracy and by answer
     log-likelihood: paired difference [95% interval], sign-flip permutation p (Holm-adjusted over the comparisons
-    with the top), tier (1 = cannot be told apart from the top at this sample size); a line per metric on who leads
-    (`verdict`) and, when the sample size cannot separate any pair, the sentence saying so."""
+    with the top), tier (1 = not separated from the top; "undecided" when separated neither from the top nor from
+    the last rule); a line per metric on who leads (`verdict`) and, when the sample size cannot separate any pair, the sentence saying so."""
     acc, lik = paired(rows, "accuracy"), paired(rows, "likelihood")
     refs = reference_logprobs(rows)
     parts = []
@@ -228,6 +237,7 @@ def paired_tables(rows: list[dict], sort: str = "accuracy", heading: str = "####
                     notes.append(text)
         parts += [f"- {text}" for text in notes]
         tied = {m: len(leaders(list(ranks[m].values()))) > 1 for m in ranks}
+        open_ = {m: undecided(paired_values(rows, m, b) or {}) for m in ranks}
         parts += ["", "| rule | accuracy [95% CI] | Δ vs top | p (Holm) | tier | log-lik/token vs full | Δ vs top "
                   "| p (Holm) | tier |", "|---" * 9 + "|"]
         for rule in order:
@@ -236,9 +246,9 @@ def paired_tables(rows: list[dict], sort: str = "accuracy", heading: str = "####
             deltas = [d for d in (logprob_delta(r, refs) for r in rs) if d is not None]
             lik_cell = f"{mean(deltas):.3f}" if deltas else "-"
             parts.append(f"| {rule} | {acc_cell} | " + " | ".join(_diff_cells(ranks["accuracy"], rule, 2,
-                                                                                tied["accuracy"])) +
+                                                                                tied["accuracy"], open_["accuracy"])) +
                          f" | {lik_cell} | " + " | ".join(_diff_cells(ranks["likelihood"], rule, 3,
-                                                                       tied["likelihood"])) + " |")
+                                                                       tied["likelihood"], open_["likelihood"])) + " |")
         parts.append("")
     return "\n".join(parts).rstrip()
 
