@@ -20,8 +20,12 @@ NEWEST_PYTEST := $(PYTEST) --ignore=tests/test_lmeval.py
 
 NEWEST_TORCH_VENV ?= .venv-newest-torch
 NEWEST_TORCH_BIN := $(NEWEST_TORCH_VENV)/bin
+# The CUDA-codegen venv: the CUDA build of the torch tests/fake_cuda.py is pinned to (its Triton comes with it).
+CUDA_VENV ?= .venv-cuda
+CUDA_BIN := $(CUDA_VENV)/bin
+CUDA_TORCH_VERSION ?= 2.14.1
 
-.PHONY: demo test test-newest test-newest-torch install clean docs
+.PHONY: demo test test-newest test-newest-torch test-cuda-codegen install clean docs
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -49,8 +53,9 @@ DEMO_ENV := $(if $(filter file,$(origin OMP_NUM_THREADS)),env -u OMP_NUM_THREADS
 demo: install
 	$(DEMO_ENV) $(BIN)/python -m fxbudget.demo
 
+# The `cuda_codegen` tests need torch's CUDA build (`make test-cuda-codegen`); this venv's CPU build would fail them.
 test: $(VENV)/.installed-ray
-	$(BIN)/python $(PYTEST)
+	$(BIN)/python $(PYTEST) -m "not cuda_codegen"
 
 # Not pinned: the newest transformers the registry has, even past the package's range (pip then prints a conflict),
 # so a rename there is caught the day it ships. Passing here is what lets the range in pyproject.toml move up.
@@ -99,5 +104,23 @@ test-newest-torch: $(NEWEST_TORCH_VENV)/.installed
 	@# (test_eviction.py compiles every rule's layer), which file-by-file scheduling leaves to one worker.
 	$(NEWEST_TORCH_BIN)/python $(NEWEST_PYTEST) --dist load -m "newest or inductor"
 
+# Inductor's CUDA lowering of the rewritten graphs without a GPU (tests/test_cuda_codegen.py, docs/gpu.md): the
+# Triton source for sm_90 and sm_80 and cubins from Triton's own ptxas, on torch's CUDA build (no TORCH_PIP_ARGS:
+# a CPU index would bring the CPU build). One process, one thread: on a shared 2-core machine it runs beside the
+# pinned suite (.ci/run). The project is installed against the constraints without their torch pin.
+$(CUDA_VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(CUDA_BIN)/python || $(PY) -m venv $(CUDA_VENV)
+	$(CUDA_BIN)/python -m pip install -q --upgrade pip
+	$(CUDA_BIN)/python -m pip install -q "torch==$(CUDA_TORCH_VERSION)"
+	grep -v '^torch==' constraints.txt > $(CUDA_VENV)/constraints.txt
+	$(CUDA_BIN)/python -m pip install -q -c $(CUDA_VENV)/constraints.txt -e ".[test]"
+	touch $@
+
+test-cuda-codegen: $(CUDA_VENV)/.installed
+	$(CUDA_BIN)/python -c "import torch, triton; print('test-cuda-codegen: torch', torch.__version__, 'CUDA', \
+		torch.version.cuda, 'Triton', triton.__version__)"
+	$(CUDA_BIN)/python -m pytest -q -ra -p no:xdist -p no:cacheprovider --durations=0 -m cuda_codegen \
+		tests/test_cuda_codegen.py
+
 clean:
-	rm -rf $(VENV) $(NEWEST_VENV) $(NEWEST_TORCH_VENV) *.egg-info build/site
+	rm -rf $(VENV) $(NEWEST_VENV) $(NEWEST_TORCH_VENV) $(CUDA_VENV) *.egg-info build/site

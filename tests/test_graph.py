@@ -398,44 +398,44 @@ def forward(self, L_forward_self_modules_emb_parameters_weight_ : torch.nn.param
     index_2 = torch.ops.aten.index.Tensor(v, [view_29, view_30, getitem_7]);  v = None
     index_3 = torch.ops.aten.index.Tensor(l_kwargs_past_key_values_layers_0_values, [view_29, view_30, getitem_5])
     where_6 = torch.ops.aten.where.self(unsqueeze_8, index_2, index_3);  unsqueeze_8 = index_2 = index_3 = None
-    index_put__1 = torch.ops.aten.index_put_.default(l_kwargs_past_key_values_layers_0_values, [view_29, view_30, getitem_5], where_6);  l_kwargs_past_key_values_layers_0_values = view_29 = view_30 = where_6 = index_put__1 = None
+    index_put__1 = torch.ops.aten.index_put_.default(l_kwargs_past_key_values_layers_0_values, [view_29, view_30, getitem_5], where_6);  l_kwargs_past_key_values_layers_0_values = where_6 = index_put__1 = None
     masked_fill_4 = torch.ops.aten.masked_fill.Scalar(l_kwargs_past_key_values_layers_0_pos, slice_4, -1)
     slice_8 = torch.ops.aten.slice.Tensor(cat, 2, 4, 9223372036854775807);  cat = None
     gather = torch.ops.aten.gather.default(slice_8, -1, getitem_7);  slice_8 = None
     gather_1 = torch.ops.aten.gather.default(masked_fill_4, -1, getitem_5)
     where_7 = torch.ops.aten.where.self(lt_1, gather, gather_1);  gather = gather_1 = None
-    scatter_1 = torch.ops.aten.scatter.src(masked_fill_4, -1, getitem_5, where_7);  masked_fill_4 = where_7 = None
-    copy_ = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_pos, scatter_1);  l_kwargs_past_key_values_layers_0_pos = scatter_1 = copy_ = None
+    index_put = torch.ops.aten.index_put.default(masked_fill_4, [view_29, view_30, getitem_5], where_7);  masked_fill_4 = where_7 = None
+    copy_ = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_pos, index_put);  l_kwargs_past_key_values_layers_0_pos = index_put = copy_ = None
     slice_9 = torch.ops.aten.slice.Tensor(add_3, 2, 0, 4)
     masked_fill_5 = torch.ops.aten.masked_fill.Scalar(slice_9, slice_4, 0.0);  slice_9 = None
     slice_10 = torch.ops.aten.slice.Tensor(add_3, 2, 4, 9223372036854775807);  add_3 = None
     gather_2 = torch.ops.aten.gather.default(slice_10, -1, getitem_7);  slice_10 = None
     gather_3 = torch.ops.aten.gather.default(masked_fill_5, -1, getitem_5)
     where_8 = torch.ops.aten.where.self(lt_1, gather_2, gather_3);  gather_2 = gather_3 = None
-    scatter_2 = torch.ops.aten.scatter.src(masked_fill_5, -1, getitem_5, where_8);  masked_fill_5 = where_8 = None
-    copy__1 = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_state, scatter_2);  l_kwargs_past_key_values_layers_0_state = scatter_2 = copy__1 = None
+    index_put_1 = torch.ops.aten.index_put.default(masked_fill_5, [view_29, view_30, getitem_5], where_8);  masked_fill_5 = where_8 = None
+    copy__1 = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_state, index_put_1);  l_kwargs_past_key_values_layers_0_state = index_put_1 = copy__1 = None
     slice_11 = torch.ops.aten.slice.Tensor(cat_6, 2, 0, 4)
     masked_fill_6 = torch.ops.aten.masked_fill.Scalar(slice_11, slice_4, 0.0);  slice_11 = None
     slice_12 = torch.ops.aten.slice.Tensor(cat_6, 2, 4, 9223372036854775807);  cat_6 = None
     gather_4 = torch.ops.aten.gather.default(slice_12, -1, getitem_7);  slice_12 = None
     gather_5 = torch.ops.aten.gather.default(masked_fill_6, -1, getitem_5)
     where_9 = torch.ops.aten.where.self(lt_1, gather_4, gather_5);  gather_4 = gather_5 = None
-    scatter_3 = torch.ops.aten.scatter.src(masked_fill_6, -1, getitem_5, where_9);  masked_fill_6 = where_9 = None
+    index_put_2 = torch.ops.aten.index_put.default(masked_fill_6, [view_29, view_30, getitem_5], where_9);  masked_fill_6 = where_9 = None
     slice_13 = torch.ops.aten.slice.Tensor(cat_7, 2, 0, 4)
     masked_fill_7 = torch.ops.aten.masked_fill.Scalar(slice_13, slice_4, 0.0);  slice_13 = None
     slice_14 = torch.ops.aten.slice.Tensor(cat_7, 2, 4, 9223372036854775807);  cat_7 = None
     gather_6 = torch.ops.aten.gather.default(slice_14, -1, getitem_7);  slice_14 = None
     gather_7 = torch.ops.aten.gather.default(masked_fill_7, -1, getitem_5)
     where_10 = torch.ops.aten.where.self(lt_1, gather_6, gather_7);  gather_6 = gather_7 = None
-    scatter_4 = torch.ops.aten.scatter.src(masked_fill_7, -1, getitem_5, where_10);  masked_fill_7 = where_10 = None
+    index_put_3 = torch.ops.aten.index_put.default(masked_fill_7, [view_29, view_30, getitem_5], where_10);  masked_fill_7 = where_10 = None
     slice_15 = torch.ops.aten.slice.Tensor(cat_8, 2, 0, 4)
     masked_fill_8 = torch.ops.aten.masked_fill.Scalar(slice_15, slice_4, 0.0);  slice_15 = slice_4 = None
     slice_16 = torch.ops.aten.slice.Tensor(cat_8, 2, 4, 9223372036854775807);  cat_8 = None
     gather_8 = torch.ops.aten.gather.default(slice_16, -1, getitem_7);  slice_16 = getitem_7 = None
     gather_9 = torch.ops.aten.gather.default(masked_fill_8, -1, getitem_5)
     where_11 = torch.ops.aten.where.self(lt_1, gather_8, gather_9);  lt_1 = gather_8 = gather_9 = None
-    scatter_5 = torch.ops.aten.scatter.src(masked_fill_8, -1, getitem_5, where_11);  masked_fill_8 = getitem_5 = where_11 = None
-    stack_2 = torch.ops.aten.stack.default([scatter_3, scatter_4, scatter_5], -1);  scatter_3 = scatter_4 = scatter_5 = None
+    index_put_4 = torch.ops.aten.index_put.default(masked_fill_8, [view_29, view_30, getitem_5], where_11);  masked_fill_8 = view_29 = view_30 = getitem_5 = where_11 = None
+    stack_2 = torch.ops.aten.stack.default([index_put_2, index_put_3, index_put_4], -1);  index_put_2 = index_put_3 = index_put_4 = None
     copy__2 = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_norms, stack_2);  l_kwargs_past_key_values_layers_0_norms = stack_2 = copy__2 = None
     copy__3 = torch.ops.aten.copy_.default(l_kwargs_past_key_values_layers_0_totals, stack_1);  l_kwargs_past_key_values_layers_0_totals = stack_1 = copy__3 = None
     transpose_3 = view_24.transpose(1, 2);  view_24 = None

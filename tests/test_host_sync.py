@@ -162,3 +162,26 @@ def test_eager_decode_step_syncs_once_per_layer_in_the_kernel_only(mask):
     layers = tiny_model("qwen3").config.num_hidden_layers
     assert calls == ["__bool__"] * layers
     assert ops == ["_local_scalar_dense.default"] * layers
+
+
+def test_a_prefill_without_a_cache_reads_the_rope_once(monkeypatch):
+    # Each call without a cache builds one (model_cache), which takes the model's RoPE frequencies: read back from the
+    # device (a copy to the CPU, a sync on a GPU) once per model and rotary state, not once per call.
+    from fxbudget.cache import rope as model_rope
+
+    reads = []
+    real = model_rope._layer_rope
+    monkeypatch.setattr(model_rope, "_layer_rope", lambda *a: reads.append(1) or real(*a))
+    m = fxbudget.compile(fresh(tiny_model("qwen3")), rule="snapkv", budget=8, backend=None)
+    ids = torch.randint(1, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        m(input_ids=ids)
+        first = len(reads)
+        m(input_ids=ids)
+        assert first > 0 and len(reads) == first
+        # A changed rotary buffer is read again, and the new cache holds the new frequencies.
+        rot = model_rope.rotary_modules(m)[0][1]
+        rot.inv_freq.mul_(0.5)
+        cache = m(input_ids=ids).past_key_values
+    assert len(reads) > first
+    assert torch.equal(cache.layers[0].inv_freq, rot.inv_freq.float())

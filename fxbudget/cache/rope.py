@@ -20,6 +20,8 @@ leverage depends on it only through its 1e-2 ridge term, relative to the keys' s
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor, nn
 
@@ -43,14 +45,46 @@ def _head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+# model -> (its rotary state, `model_rope`'s entries): every cache built for a model (each prefill without one)
+# reads its frequencies, and reading them back from a GPU is a sync; they are read once per rotary state.
+_READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _plain(v) -> bool:
+    """A number or string, or a dict of them (per-layer-type RoPE types): compared by value, no tensor read."""
+    if isinstance(v, dict):
+        return all(isinstance(x, (str, int, float)) for x in v.values())
+    return isinstance(v, (str, int, float))
+
+
+def _rotary_state(model: nn.Module) -> tuple:
+    """What `model_rope` reads, without reading a value: the config object, each rotary module's buffers (identity,
+    in-place version, dtype, device) and its plain attributes (RoPE type, attention scaling)."""
+    return (id(model.config), tuple(
+        (name, tuple((b, id(t), t._version, t.dtype, t.device) for b, t in m.named_buffers(recurse=False)),
+         repr(sorted((k, v) for k, v in vars(m).items() if not k.startswith("_") and _plain(v))))
+        for name, m in rotary_modules(model)))
+
+
 def model_rope(model: nn.Module) -> list[tuple[Tensor, float] | str | None]:
     """Each decoder layer's RoPE as the model applies it: `(inv_freq [r/2] float32 on CPU, attention_scaling)`, zeros
     and 1 for a NoPE layer, (a str) why it is unknown, or None where the decoder holds no rotary embedding module
     (a model from outside transformers: the config's default RoPE stands, `layer_config.rope_inv_freq`).
 
+    The frequencies are copied to the CPU once per model and rotary state (`_rotary_state`: a replaced or
+    modified buffer is read again), not on every call: a copy from a GPU waits for its queue.
+
     Args:
         model: a transformers causal LM (its `config` names the layers and their types).
     """
+    state = _rotary_state(model)
+    kept = _READ.get(model)
+    if kept is None or kept[0] != state:
+        kept = _READ[model] = (state, _read_rope(model))
+    return [(e[0].clone(), e[1]) if isinstance(e, tuple) else e for e in kept[1]]
+
+
+def _read_rope(model: nn.Module) -> list[tuple[Tensor, float] | str | None]:
     cfg = text_config(model.config)
     head_dim = _head_dim(cfg)
     found = rotary_modules(model)

@@ -65,9 +65,11 @@ def evict(
     put(k_slots, k_new)
     put(v_slots, v_new)
 
+    # An indexed write (`index_put`, distinct `dst` per row), not `scatter`: Inductor lowers a scatter of int64
+    # values (the positions) to ATen on CUDA (its atomic-add limits), an index_put of any dtype to Triton.
     def refill(old: Tensor, cand: Tensor, empty: float | int) -> Tensor:
         kept = old.masked_fill(free, empty)
-        return kept.scatter(-1, dst, torch.where(write, cand[..., S:].gather(-1, src), kept.gather(-1, dst)))
+        return kept.index_put((bi, hi, dst), torch.where(write, cand[..., S:].gather(-1, src), kept.gather(-1, dst)))
 
     slots.pos.copy_(refill(slots.pos, pos, -1))
     if owner:
