@@ -2,7 +2,7 @@
 `register(name)`, `load_file(path)`.
 
 A rule is a dataclass (fields = hyperparameters) subclassing `Rule`, with a `score` over the kernel's `Signals`;
-one file per rule. Wrappers (`AdaKV` as `adakv:<rule>`, `Pyramid`) change how a rule's scores are spent and
+one file per rule. Wrappers (`AdaKV` as `adakv:<rule>`, `Pyramid`, `Chunk`) change how a rule's scores are spent and
 delegate everything else to the rule they wrap (`fxbudget.rules.wrapper`).
 """
 
@@ -16,11 +16,13 @@ from .registry import (  # noqa: F401  (_REGISTRY, _LOADED: tests and the search
 
 # Built-in rules register themselves on import.
 from . import (  # noqa: E402,F401
-    adakv, chunkkv, compactor, cur, defensivekv, expected_attention, full, h2o, keydiff, knorm, kvzip, lagkv,
-    leverage, observed_attention, pyramidkv, random, snapkv, streamingllm, tova, weighted, window,
+    adakv, chunk, chunkkv, compactor, criticalkv, cur, defensivekv, expected_attention, finch, full, h2o, keydiff,
+    knorm, kvzip, lagkv, leverage, observed_attention, pyramidkv, random, simlayerkv, snapkv, streamingllm, tova,
+    weighted, window,
 )
 from .adakv import AdaKV  # noqa: E402
+from .chunk import Chunk  # noqa: E402
 from .pyramidkv import Pyramid, pyramid_budgets  # noqa: E402
 
-__all__ = ["AdaKV", "Pyramid", "Rule", "Signals", "available", "canonical", "get", "load_file",
+__all__ = ["AdaKV", "Chunk", "Pyramid", "Rule", "Signals", "available", "canonical", "get", "load_file",
            "plain_generation_rules", "pyramid_budgets", "recent", "register", "rule_fields", "wrapper_prefixes"]
