@@ -1,4 +1,5 @@
-"""kvpress's training-free presses added in issue 43 (`criticalkv`, `simlayerkv`, `finch`, the `Chunk` wrapper):
+"""kvpress's training-free presses added in issue 43 (`criticalkv`, `simlayerkv`, `finch`, `non_causal_attention`, the
+`Chunk` wrapper):
 float64 references written from each press's formula over one prompt (a one-call prefill, positions 0..L-1),
 independently of the rules' code, compared with the rule's score on the kernel's signals of the same call (empty
 slots present); bad hyperparameters and unwrappable rules refused in one line; a real model evicting to the budget.
@@ -17,9 +18,9 @@ from fxbudget.cli.rules_table import rules_table
 from fxbudget.kernel import LayerConstants, LayerSlots, NewTokens, measure
 from fxbudget.kernel.signals import out_projection_factors, unknown_wo
 from fxbudget.rules.base import Signals
-from test_rules_reference import DT, EMPTY, B, D, G, H, _causal_probs, _prompt
+from test_rules_reference import DT, EMPTY, B, D, G, H, _causal_probs, _noncausal_ref, _prompt
 
-NEW = ("criticalkv", "simlayerkv", "finch")
+NEW = ("criticalkv", "simlayerkv", "finch", "non_causal_attention")
 HIDDEN = 24
 
 
@@ -125,6 +126,13 @@ def test_finch_question_attention_and_chunk_shares(chunk_length):
         assert max(counts[:-1]) - min(counts[:-1]) <= 1, counts  # the last chunk also holds the window
 
 
+@pytest.mark.parametrize("L, chunk", [(90, 16), (64, 32)])
+def test_non_causal_attention_is_kvpress_chunked_attention(L, chunk):
+    _, k, v, q, inv = _prompt(L, seed=8)
+    got = rules.get("non_causal_attention", chunk_size=chunk).score(_signals(k, v, q, inv, 8, 16))[0, :, EMPTY:]
+    torch.testing.assert_close(got, _noncausal_ref(q, k, v, chunk))  # z-scored over all the layer's KV heads
+
+
 def test_chunk_wraps_a_rule_and_refuses_what_it_cannot():
     c = rules.Chunk(rules.get("knorm"), chunk_length=10)
     L, budget = 40, 12
@@ -163,6 +171,7 @@ def test_listed_with_their_defaults():
     ("simlayerkv", {"n_initial": -1}, "simlayerkv n_initial must be an int >= 0, got -1"),
     ("finch", {"window": 0}, "finch window must be an int >= 1, got 0"),
     ("finch", {"chunk_length": 0}, "finch chunk_length must be an int >= 1, got 0"),
+    ("non_causal_attention", {"chunk_size": 0}, "non_causal_attention chunk_size must be an int >= 1, got 0"),
 ])
 def test_bad_hyperparameters_are_refused(name, params, match):
     with pytest.raises(ValueError, match="^" + match.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
@@ -177,7 +186,7 @@ def test_simlayerkv_refuses_a_budget_its_sinks_fill():
 
 @pytest.mark.parametrize("rule", [("criticalkv", {"window": 8}), ("simlayerkv", {"window": 8, "lazy_threshold": 0.5}),
                                   ("finch", {"window": 8, "chunk_length": 16}),
-                                  ("chunk", {"chunk_length": 16})])
+                                  ("non_causal_attention", {"chunk_size": 16}), ("chunk", {"chunk_length": 16})])
 def test_chunked_prefill_and_decode_evict_to_the_budget(rule):
     """A real model, chunked prefill then decode: every layer holds exactly the budget, positions distinct, the
     output finite."""
