@@ -204,3 +204,23 @@ def test_chunked_prefill_and_decode_evict_to_the_budget(rule):
         for row in cache.positions(i)[0].tolist():
             held = [p for p in row if p >= 0]
             assert len(held) == 24 == len(set(held)) and max(held) <= 72, (i, sorted(held))
+
+
+# kvpress 0.5.5's presses (`dir(kvpress)`, less BasePress and ScorerPress): docs/rules.md names each one, either as a
+# FlexBudget rule or in its table of presses not in FlexBudget.
+KVPRESS_PRESSES = (
+    "AdaKVPress BlockPress CAMPress CURPress CapPress ChunkKVPress ChunkPress CompactorPress ComposedPress "
+    "CompressionRatioDecodingPress CriticalAdaKVPress CriticalKVPress DMSPress DecodingPress DuoAttentionPress "
+    "EntropyGatedChunkKVPress ExpectedAttentionPress ExpectedAttentionStatsPress FastKVzipPress FinchPress "
+    "KVComposePress KVgradPress KVzapPress KVzipPress KeyDiffPress KeyRerotationPress KnormPress LUKVPress LagKVPress "
+    "LeverageScorePress MergingPress NonCausalAttnPress ObservedAttentionPress PerLayerCompressionPress "
+    "PrefillDecodingPress PyramidKVPress QFilterPress RandomPress RestoreKVPress SimLayerKVPress SnapKVPress "
+    "StreamingLLMPress TOVAPress ThinKPress").split()
+
+
+def test_docs_account_for_every_kvpress_press():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "rules.md").read_text()
+    assert len(KVPRESS_PRESSES) == 44
+    assert [p for p in KVPRESS_PRESSES if f"`{p}`" not in page and f"`{p}(" not in page] == []

@@ -22,7 +22,9 @@ WRAPPERS = ("Wrappers of any rule above:\n"
             "- `adakv:<rule>` (`alpha=0.2`; every other parameter goes to `<rule>`): AdaKV's head-adaptive budgets, "
             "each head keeps its top `alpha x budget`, the rest of the layer's `kv_heads x budget` by one top-k over "
             "its heads (head-pooled cache: the uniform budget's memory), e.g. `adakv:snapkv`\n"
-            "- `fxbudget.rules.Pyramid(rule, beta=20)` (Python): PyramidKV's per-layer budget schedule")
+            "- `fxbudget.rules.Pyramid(rule, beta=20)` (Python): PyramidKV's per-layer budget schedule\n"
+            "- `fxbudget.rules.Chunk(rule, chunk_length=1024)` (Python): kvpress's ChunkPress, every chunk of "
+            "`chunk_length` positions keeps the same share of the budget")
 
 
 def _line(name: str, doc: str, fields: list[tuple[str, object]]) -> str:
