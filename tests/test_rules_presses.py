@@ -18,9 +18,9 @@ from fxbudget.cli.rules_table import rules_table
 from fxbudget.kernel import LayerConstants, LayerSlots, NewTokens, measure
 from fxbudget.kernel.signals import out_projection_factors, unknown_wo
 from fxbudget.rules.base import Signals
-from test_rules_reference import DT, EMPTY, B, D, G, H, _causal_probs, _noncausal_ref, _prompt
+from test_rules_reference import DT, EMPTY, B, D, G, H, _causal_probs, _noncausal_ref, _prompt, _rot
 
-NEW = ("criticalkv", "simlayerkv", "finch", "non_causal_attention")
+NEW = ("criticalkv", "simlayerkv", "finch", "non_causal_attention", "capkv")
 HIDDEN = 24
 
 
@@ -133,6 +133,26 @@ def test_non_causal_attention_is_kvpress_chunked_attention(L, chunk):
     torch.testing.assert_close(got, _noncausal_ref(q, k, v, chunk))  # z-scored over all the layer's KV heads
 
 
+@pytest.mark.parametrize("tau, n_future", [(5.0, 16), (1.0, 512)])
+def test_capkv_is_kvpress_cap_press(tau, n_future):
+    L, n_sink, eps = 40, 4, 1e-6
+    _, k, v, q, inv = _prompt(L, seed=9)
+    rule = rules.get("capkv", tau=tau, n_future_positions=n_future)
+    s = _signals(k, v, q, inv, 8, 16)
+    got, protected = rule.score(s)[0, :, EMPTY:], rule.protect(s)[0, :, EMPTY:]
+    assert protected[:, :n_sink].all() and not protected[:, n_sink:].any()
+    q0 = _rot(q, -torch.arange(L), inv)  # the queries before RoPE
+    mu = q0[:, n_sink:].mean(1)  # [H*G, D]: the anchor, sinks left out
+    M = torch.stack([_rot(torch.eye(D, dtype=DT), torch.full((D,), p), inv) for p in range(L, L + n_future)]).mean(0)
+    anchor = F.normalize(mu @ M, dim=-1).view(H, G, D)  # x @ M: x rotated by the averaged future RoPE
+    kk, vv = F.normalize(k[:, n_sink:], dim=-1), v[:, n_sink:]
+    stat = torch.einsum("hgd,htd->hgt", anchor, kk).clamp(-1, 1)
+    w = (tau * (stat - stat.amax(-1, keepdim=True))).exp()  # [H, G, T]
+    A = torch.eye(D, dtype=DT) + torch.einsum("hgt,htd,hte->hgde", w + eps, vv, vv)
+    lev = torch.einsum("htd,hgde,hte->hgt", vv, torch.linalg.inv(A), vv)
+    torch.testing.assert_close(got[:, n_sink:], (w * lev).mean(1))
+
+
 def test_chunk_wraps_a_rule_and_refuses_what_it_cannot():
     c = rules.Chunk(rules.get("knorm"), chunk_length=10)
     L, budget = 40, 12
@@ -172,6 +192,8 @@ def test_listed_with_their_defaults():
     ("finch", {"window": 0}, "finch window must be an int >= 1, got 0"),
     ("finch", {"chunk_length": 0}, "finch chunk_length must be an int >= 1, got 0"),
     ("non_causal_attention", {"chunk_size": 0}, "non_causal_attention chunk_size must be an int >= 1, got 0"),
+    ("capkv", {"tau": -1}, "capkv tau must be a number >= 0, got -1"),
+    ("capkv", {"n_sink": -1}, "capkv n_sink must be an int >= 0, got -1"),
 ])
 def test_bad_hyperparameters_are_refused(name, params, match):
     with pytest.raises(ValueError, match="^" + match.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
@@ -186,7 +208,8 @@ def test_simlayerkv_refuses_a_budget_its_sinks_fill():
 
 @pytest.mark.parametrize("rule", [("criticalkv", {"window": 8}), ("simlayerkv", {"window": 8, "lazy_threshold": 0.5}),
                                   ("finch", {"window": 8, "chunk_length": 16}),
-                                  ("non_causal_attention", {"chunk_size": 16}), ("chunk", {"chunk_length": 16})])
+                                  ("non_causal_attention", {"chunk_size": 16}), ("capkv", {}),
+                                  ("chunk", {"chunk_length": 16})])
 def test_chunked_prefill_and_decode_evict_to_the_budget(rule):
     """A real model, chunked prefill then decode: every layer holds exactly the budget, positions distinct, the
     output finite."""

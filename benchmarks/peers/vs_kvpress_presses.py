@@ -22,7 +22,8 @@ Rows (fxbudget rule / kvpress press):
   (`--chunk-length`, default 300: no chunk shorter than SnapKV's 64-token window on a ~1K prompt). kvpress scores
   each chunk by SnapKV run on that chunk alone (its last 64 tokens as the window); fxbudget's wrapped rule scores
   the whole call once: a departure the overlap measures;
-- `non_causal_attention`: defaults / `NonCausalAttnPress()` (chunk_size 256).
+- `non_causal_attention`: defaults / `NonCausalAttnPress()` (chunk_size 256);
+- `capkv`: defaults / `CapPress()` (tau 5, n_future_positions 512, n_sink 4).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ sys.path.insert(0, str(HERE))
 from vs_kvpress import PEER_PYTHON, ROOT, _overlap, _run_worker  # noqa: E402
 from vs_kvpress_adakv import _kvpress_kept  # noqa: E402
 
-ROWS = ("snapkv", "criticalkv", "simlayerkv", "finch", "chunk(snapkv)", "non_causal_attention")
+ROWS = ("snapkv", "criticalkv", "simlayerkv", "finch", "chunk(snapkv)", "non_causal_attention", "capkv")
 QUERY_AWARE = {"finch"}
 
 
@@ -58,6 +59,8 @@ def _worker_kvpress(job: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
     tok = AutoTokenizer.from_pretrained(job["model_dir"])
+    if getattr(model.config, "head_dim", None) is None:  # CriticalKVPress reads config.head_dim; Qwen2's has none
+        model.config.head_dim = model.config.hidden_size // model.config.num_attention_heads
     recorded: dict[int, list] = {}
     delim = None
     if row == "finch":
@@ -82,6 +85,8 @@ def _worker_kvpress(job: dict) -> dict:
                                        chunk_length=job["chunk_length"])
         elif row == "non_causal_attention":
             press = kvpress.NonCausalAttnPress(compression_ratio=ratio)
+        elif row == "capkv":
+            press = kvpress.CapPress(compression_ratio=ratio)
         else:
             raise ValueError(row)
         orig = press.compress
@@ -125,7 +130,8 @@ def _worker_fxbudget(job: dict) -> dict:
             "simlayerkv": lambda: rules.get("simlayerkv", lazy_threshold=job["lazy_threshold"]),
             "finch": lambda: rules.get("finch", window=len(p["q"])),
             "chunk(snapkv)": lambda: rules.Chunk(snap, chunk_length=job["chunk_length"]),
-            "non_causal_attention": lambda: rules.get("non_causal_attention")}[row]()
+            "non_causal_attention": lambda: rules.get("non_causal_attention"),
+            "capkv": lambda: rules.get("capkv")}[row]()
     m = fxbudget.compile(model, rule=rule, budget=B, backend=None, headroom=8)
     ids = p["ctx"] + (p["q"] if row == "finch" else [])
     cache = m.forward.new_cache(1)
