@@ -14,7 +14,7 @@ Rows (fxbudget rule / kvpress press):
 - `simlayerkv`: `lazy_threshold=T` (`--lazy-threshold`, default 0.85: kvpress's recommendation for Qwen) /
   `SimLayerKVPress(lazy_threshold=T, n_initial=4, n_recent=B - 3)`: a lazy layer keeps B on both sides; a layer that
   is not lazy keeps the whole context in kvpress and B (snapkv's choice) in fxbudget, so the report gives the lazy
-  decisions per layer and the overlap on the layers both call lazy;
+  decisions per layer and the overlap on the layers both call lazy (`--rows simlayerkv@0.6`: threshold 0.6);
 - `finch`: query-aware, the prefill is context + question, `window` = the question's length /
   `FinchPress(rerotate_keys=False)` with its delimiter between context and question (re-rotation moves keys, not
   the kept set: off, so kept keys match input rows);
@@ -43,6 +43,11 @@ from vs_kvpress_adakv import _kvpress_kept  # noqa: E402
 
 ROWS = ("snapkv", "criticalkv", "simlayerkv", "finch", "chunk(snapkv)", "non_causal_attention", "capkv")
 QUERY_AWARE = {"finch"}
+
+
+def _threshold(row: str, job: dict) -> float:
+    """SimLayerKV's lazy_threshold of a row: `simlayerkv@T` -> T, plain `simlayerkv` -> `--lazy-threshold`."""
+    return float(row.split("@")[1]) if "@" in row else job["lazy_threshold"]
 
 
 def _worker_kvpress(job: dict) -> dict:
@@ -75,8 +80,8 @@ def _worker_kvpress(job: dict) -> dict:
             press = kvpress.SnapKVPress(compression_ratio=ratio, **snap)
         elif row == "criticalkv":
             press = kvpress.CriticalKVPress(press=kvpress.SnapKVPress(compression_ratio=ratio, **snap))
-        elif row == "simlayerkv":
-            press = kvpress.SimLayerKVPress(lazy_threshold=job["lazy_threshold"], n_initial=4, n_recent=B - 3)
+        elif row.startswith("simlayerkv"):
+            press = kvpress.SimLayerKVPress(lazy_threshold=_threshold(row, job), n_initial=4, n_recent=B - 3)
         elif row == "finch":
             press = finch
             press.compression_ratio = ratio
@@ -125,6 +130,9 @@ def _worker_fxbudget(job: dict) -> dict:
     row, B = job["rule"], job["budget"]
     (p,) = job["prompts"]  # one prompt: finch's window is its question's length, fixed when compiled
     snap = rules.get("snapkv", window=64, kernel=5, pooling="avg")
+    if row.startswith("simlayerkv@"):
+        row = "simlayerkv"
+        job = {**job, "lazy_threshold": _threshold(job["rule"], job)}
     rule = {"snapkv": lambda: snap,
             "criticalkv": lambda: rules.get("criticalkv"),
             "simlayerkv": lambda: rules.get("simlayerkv", lazy_threshold=job["lazy_threshold"]),
@@ -158,14 +166,15 @@ def report(args, runs: dict) -> list[str]:
               "(`fxbudget.harness.tasks.passkey`, seed 0, depth 0.5), chat-formatted; one prefill call on each side.",
               f"- Versions: kvpress side {runs.get(('kvpress', 'snapkv'), {}).get('versions')}.", "",
               "| row | mean overlap (goal >= 0.99) | min | heads identical | heads | note |", "|---|---|---|---|---|---|"]
-    for row in ROWS:
+    extra = sorted({r for _, r in runs} - set(ROWS))  # variants run with --rows (simlayerkv@T)
+    for row in [*ROWS, *extra]:
         k, f = runs.get(("kvpress", row)), runs.get(("fxbudget", row))
         if not (k and f):
             lines.append(f"| {row} | not run | | | | |")
             continue
         ov, note = [], ""
         for xk, xf in zip(k["results"], f["results"]):
-            if row == "simlayerkv":
+            if row.startswith("simlayerkv"):
                 L = xk["L"]
                 lazy_k = [all(len(h) < L for h in layer) for layer in xk["kept"]]
                 lazy_f = [_lazy(layer, L, args.budget) for layer in xf["kept"]]
