@@ -21,7 +21,8 @@ Rows (fxbudget rule / kvpress press):
 - `chunk(snapkv)`: `Chunk(snapkv(64, 5, avg), chunk_length=C)` / `ChunkPress(SnapKVPress(), chunk_length=C)`
   (`--chunk-length`, default 300: no chunk shorter than SnapKV's 64-token window on a ~1K prompt). kvpress scores
   each chunk by SnapKV run on that chunk alone (its last 64 tokens as the window); fxbudget's wrapped rule scores
-  the whole call once: a departure the overlap measures;
+  the whole call once: a departure the overlap measures; `chunk(knorm)`: `Chunk(knorm)` / `ChunkPress(KnormPress())`,
+  a per-token score, the same whether a chunk is scored alone or not: the chunk quotas alone;
 - `non_causal_attention`: defaults / `NonCausalAttnPress()` (chunk_size 256);
 - `capkv`: defaults / `CapPress()` (tau 5, n_future_positions 512, n_sink 4).
 """
@@ -41,7 +42,7 @@ sys.path.insert(0, str(HERE))
 from vs_kvpress import PEER_PYTHON, ROOT, _overlap, _run_worker  # noqa: E402
 from vs_kvpress_adakv import _kvpress_kept  # noqa: E402
 
-ROWS = ("snapkv", "criticalkv", "simlayerkv", "finch", "chunk(snapkv)", "non_causal_attention", "capkv")
+ROWS = ("snapkv", "criticalkv", "simlayerkv", "finch", "chunk(snapkv)", "chunk(knorm)", "non_causal_attention", "capkv")
 QUERY_AWARE = {"finch"}
 
 
@@ -87,6 +88,9 @@ def _worker_kvpress(job: dict) -> dict:
             press.compression_ratio = ratio
         elif row == "chunk(snapkv)":
             press = kvpress.ChunkPress(press=kvpress.SnapKVPress(compression_ratio=ratio, **snap),
+                                       chunk_length=job["chunk_length"])
+        elif row == "chunk(knorm)":
+            press = kvpress.ChunkPress(press=kvpress.KnormPress(compression_ratio=ratio),
                                        chunk_length=job["chunk_length"])
         elif row == "non_causal_attention":
             press = kvpress.NonCausalAttnPress(compression_ratio=ratio)
@@ -138,6 +142,7 @@ def _worker_fxbudget(job: dict) -> dict:
             "simlayerkv": lambda: rules.get("simlayerkv", lazy_threshold=job["lazy_threshold"]),
             "finch": lambda: rules.get("finch", window=len(p["q"])),
             "chunk(snapkv)": lambda: rules.Chunk(snap, chunk_length=job["chunk_length"]),
+            "chunk(knorm)": lambda: rules.Chunk(rules.get("knorm"), chunk_length=job["chunk_length"]),
             "non_causal_attention": lambda: rules.get("non_causal_attention"),
             "capkv": lambda: rules.get("capkv")}[row]()
     m = fxbudget.compile(model, rule=rule, budget=B, backend=None, headroom=8)
