@@ -170,7 +170,8 @@ def report(args, runs: dict) -> list[str]:
               f"- Budget B = {args.budget} per layer and KV head; prompt: one passkey prompt of ~{args.context} tokens "
               "(`fxbudget.harness.tasks.passkey`, seed 0, depth 0.5), chat-formatted; one prefill call on each side.",
               f"- Versions: kvpress side {runs.get(('kvpress', 'snapkv'), {}).get('versions')}.", "",
-              "| row | mean overlap (goal >= 0.99) | min | heads identical | heads | note |", "|---|---|---|---|---|---|"]
+              "| row | mean overlap (goal >= 0.99) | min | heads identical | heads | note |",
+              "|---|---|---|---|---|---|"]
     extra = sorted({r for _, r in runs} - set(ROWS))  # variants run with --rows (simlayerkv@T)
     for row in [*ROWS, *extra]:
         k, f = runs.get(("kvpress", row)), runs.get(("fxbudget", row))

@@ -16,9 +16,9 @@ from .registry import (  # noqa: F401  (_REGISTRY, _LOADED: tests and the search
 
 # Built-in rules register themselves on import.
 from . import (  # noqa: E402,F401
-    adakv, capkv, chunk, chunkkv, compactor, criticalkv, cur, defensivekv, expected_attention, finch, full, h2o, keydiff,
-    knorm, kvzip, lagkv, leverage, non_causal_attention, observed_attention, pyramidkv, random, simlayerkv, snapkv, streamingllm, tova,
-    weighted, window,
+    adakv, capkv, chunk, chunkkv, compactor, criticalkv, cur, defensivekv, expected_attention, finch, full, h2o,
+    keydiff, knorm, kvzip, lagkv, leverage, non_causal_attention, observed_attention, pyramidkv, random, simlayerkv,
+    snapkv, streamingllm, tova, weighted, window,
 )
 from .adakv import AdaKV  # noqa: E402
 from .chunk import Chunk  # noqa: E402

@@ -12,11 +12,11 @@ exactly (kvpress's per-chunk `int` floors keep up to a token per chunk fewer; he
 newer chunks, the kernel's tie-break); kvpress scores each chunk by the press run on that chunk alone (its own
 hidden states, keys and values: a window-based press sees the chunk's tail as its window), here the wrapped rule
 scores the whole call once and only the selection is per chunk (the same kept sets for a per-token score; for a
-window-attention rule they differ widely: benchmarks/results/vs_kvpress_presses.md); with chunked prefill (or decode) a chunk holds what is
-still cached, so its share is of the candidates of the call. A Python wrapper like `Pyramid`, not a name prefix: a
-prefix would add every rule's chunked form to the combination matrix (6 cells each). Wrapping a rule that never evicts
-(`full`), a head-adaptive one (`adakv:`, whose spread over heads a per-head quota would undo) or a replay-only one
-(`kvzip`, which cuts its cache once in its own protocol) is refused.
+window-attention rule they differ widely: benchmarks/results/vs_kvpress_presses.md); with chunked prefill (or
+decode) a chunk holds what is still cached, so its share is of the candidates of the call. A Python wrapper like
+`Pyramid`, not a name prefix: a prefix would add every rule's chunked form to the combination matrix (6 cells each).
+Wrapping a rule that never evicts (`full`), a head-adaptive one (`adakv:`, whose spread over heads a per-head quota
+would undo) or a replay-only one (`kvzip`, which cuts its cache once in its own protocol) is refused.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`non_causal_attention`: the attention a key gets from every query of its chunk, before and after it, x its value norm.
+"""`non_causal_attention`: the attention a key gets from every query of its chunk (before and after it) x its |v|.
 
 kvpress's `NonCausalAttnPress` (Chari & Van Durme, "Compactor: Calibrated Query-Agnostic KV Cache Compression with
 Approximate Leverage Scores", 2025, arXiv:2507.08143: Compactor's attention term alone). The candidates, in position
