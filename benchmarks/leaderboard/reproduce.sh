@@ -72,8 +72,11 @@ for part in $PARTS; do
     # head-adaptive rule puts every rule of its grid on the head-pooled cache layout.
     3) grid query-agnostic-adakv query-agnostic adakv:expected_attention,adakv:compactor \
          --param adakv:expected_attention.epsilon=0.01 ;;
-    # kvpress loop 2 (--query_aware: the question compressed with the context); finch has no fxbudget rule.
-    4) grid query-aware query-aware snapkv,chunkkv "${SNAP[@]}" --param chunkkv.window=64 --param chunkkv.kernel=5 ;;
+    # kvpress loop 2 (--query_aware: the question compressed with the context). finch: kvpress's window is each
+    # sample's question (found from a delimiter token); fxbudget's kernel has one window per grid, so finch runs at
+    # the grid's 64 (the question plus the context's tail, or the question's last 64 tokens; docs/leaderboard.md).
+    4) grid query-aware query-aware snapkv,chunkkv,finch "${SNAP[@]}" --param chunkkv.window=64 \
+         --param chunkkv.kernel=5 --param finch.window=64 ;;
     5) grid query-aware-adakv query-aware adakv:snapkv --param adakv:snapkv.window=64 --param adakv:snapkv.kernel=5 ;;
     # The cells docs/leaderboard.md quotes. kvpress PR #38 (AdaKV, Llama-3.1-8B-Instruct, "25%"): SnapKV and
     # ExpectedAttention, uniform and AdaKV-allocated, query-agnostic (run with RATIOS=0.25). kvpress PR #93 (KVzip,

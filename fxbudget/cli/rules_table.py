@@ -27,7 +27,9 @@ WRAPPERS = ("Wrappers of any rule above:\n"
             "- `protectonly:<rule>` (`random_seed=0`): the rule's protected tokens kept, the rest at random (the "
             "`random` rule's draw); with `noprotect:` it splits a rule's gain into score and protection "
             "(`fxbudget compare --decompose`)\n"
-            "- `fxbudget.rules.Pyramid(rule, beta=20)` (Python): PyramidKV's per-layer budget schedule")
+            "- `fxbudget.rules.Pyramid(rule, beta=20)` (Python): PyramidKV's per-layer budget schedule\n"
+            "- `fxbudget.rules.Chunk(rule, chunk_length=1024)` (Python): kvpress's ChunkPress, every chunk of "
+            "`chunk_length` positions keeps the same share of the budget")
 
 
 def _line(name: str, doc: str, fields: list[tuple[str, object]]) -> str:
