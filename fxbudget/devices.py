@@ -92,19 +92,19 @@ def choose(device: str, dtype: str | None) -> Placement:
     if device != "cpu":
         if dtype in (None, "auto"):
             return Placement(device, "bfloat16", f"{'--dtype auto' if dtype else 'the default'} on a GPU")
-        return Placement(device, dtype, "--dtype")
+        return Placement(device, dtype, "as --dtype asked")
     from .cpu_bf16 import matmul_slowdown, native_bf16
 
     native, how = native_bf16()
     if dtype == "auto":
-        return Placement(device, "bfloat16" if native else "float32", f"--dtype auto: {how}")
+        return Placement(device, "bfloat16" if native else "float32", f"--dtype auto; {how}")
     if dtype is None:
         hint = "; --dtype auto would run bfloat16" if native else ""
-        return Placement(device, "float32", f"the CPU default ({how}{hint})")
+        return Placement(device, "float32", f"the CPU default; {how}{hint}")
     warning = ""
     if dtype == "bfloat16" and not native:
         slow = matmul_slowdown()
         warning = (f"--dtype bfloat16 on a CPU without native bf16: a 256x896x896 matmul took {slow:.1f}x its float32 "
                    "time here just now (bf16 is converted to fp32 around every op); it halves the weights' and cache's "
                    "memory, not the time; --dtype float32 (or auto) runs faster here")
-    return Placement(device, dtype, f"--dtype ({how})", warning)
+    return Placement(device, dtype, f"as --dtype asked; {how}", warning)

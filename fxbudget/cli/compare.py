@@ -111,8 +111,8 @@ def cmd_compare(args) -> int:
         print(f"[fxbudget] {note}", file=sys.stderr)
     if args.dry_run:
         print(f"[fxbudget] --dry-run: {names.plural(todo, 'row')} on {names.plural(len(plan), 'sample')} planned "
-              f"({place.dtype} on {place.device}{_why(place)}, the device checked by name only); no model loaded, nothing "
-              f"written in {args.out}; drop --dry-run to run", file=sys.stderr)
+              f"({place.dtype} on {place.device}{_why(place)}, the device checked by name only); no model loaded, "
+              f"nothing written in {args.out}; drop --dry-run to run", file=sys.stderr)
         return 0
     stages.mark("tokenizer and samples")
     try:
