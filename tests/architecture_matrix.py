@@ -193,6 +193,17 @@ def run_one(model_type: str, cls_name: str, backends=(None, "aot_eager")) -> Res
     return res
 
 
+WINDOWS_NOTE = (
+    "*windows*: which layers slide. A budget applies to the full-attention layers only; a sliding layer keeps "
+    "its window (exactly the model's `sliding_window` newest tokens, under the `window` rule whatever rule is "
+    "compared; docs/DESIGN.md), as the model computes it. `fxbudget compare` says it in its run header, e.g. "
+    "for the embedded Gemma 3 270M (`--model gemma3-270m`): `a budget applies to 3 of 18 layers (full "
+    "attention: 5, 11, 17); the 15 sliding layers keep their window of 512 tokens`. On real weights: "
+    "Qwen2.5-Coder-0.5B-Instruct (qwen2, every layer full) and Gemma 3 270M (gemma3_text, five sliding layers "
+    "in six), past the window: `tests/test_real_model.py`, `tests/test_real_gemma.py`, "
+    "`tests/test_real_exactness.py` ([embedded models](embedded-models.md)).")
+
+
 def markdown(results: list[Result]) -> str:
     import transformers
 
@@ -210,6 +221,7 @@ def markdown(results: list[Result]) -> str:
              "from the model's own rotary embedding (any RoPE type it computes once: default, llama3, YaRN, "
              "linear, ...), are its buffers (checked), or unknown (such rules are refused). *not built*: the matrix could not make a tiny config of it (the reason is given); not a "
              "statement about fxbudget.", "",
+             WINDOWS_NOTE, "",
              "| architecture | class | status | windows | rotary | RoPE to rules | max logit diff (eager / aot_eager) "
              "| reason |",
              "|---|---|---|---|---|---|---|---|"]

@@ -36,7 +36,7 @@ def test_first_use_conversion_is_not_reported_as_a_load(tmp_path, monkeypatch, c
     converted = []
     monkeypatch.setattr(models, "default_cache_dir", lambda: tmp_path)
     monkeypatch.setattr(models, "_is_cached", lambda path: bool(converted))
-    monkeypatch.setattr(models, "_convert", lambda path, progress: converted.append(path))
+    monkeypatch.setattr(models, "_convert", lambda path, progress, entry: converted.append(path))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: "the tokenizer")
     assert models.load_tokenizer(resolve_model(None)) == "the tokenizer"
     err = capsys.readouterr().err

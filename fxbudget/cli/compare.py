@@ -34,6 +34,11 @@ def _interval_words(grid) -> str:
             f"to budget + {k - 1} entries between evictions, and allocate budget + max(head-room, {k - 1}) slots")
 
 
+def _why(place) -> str:
+    """` (dtype: the CPU default (...))`: how the run's dtype was chosen, for its start line."""
+    return f" [dtype: {place.why}]" if place.why else ""
+
+
 def grid_of(args):
     """The `Grid` of the compare options (`--task-file` alone runs only the files; `--samples` also caps them)."""
     from ..harness.grid import Grid
@@ -111,6 +116,10 @@ def cmd_compare(args) -> int:
     line = sizes.estimate_line(grid, plan, samples, sized, config, place.device, args.max_new_tokens,
                                timing.calibration, timing.rules)
     print(f"[fxbudget] {line}", file=sys.stderr)
+    if config is not None:
+        from ..models.layer_config import budgeted_layers_line
+
+        print(f"[fxbudget] {source.name}: {budgeted_layers_line(config)}", file=sys.stderr)
     from ..harness.protocol_note import run_note
 
     note = run_note(grid.rules, grid.protocols, grid.rule_params)
@@ -118,8 +127,8 @@ def cmd_compare(args) -> int:
         print(f"[fxbudget] {note}", file=sys.stderr)
     if args.dry_run:
         print(f"[fxbudget] --dry-run: {names.plural(todo, 'row')} on {names.plural(len(plan), 'sample')} planned "
-              f"({place.dtype} on {place.device}, the device checked by name only); no model loaded, nothing "
-              f"written in {args.out}; drop --dry-run to run", file=sys.stderr)
+              f"({place.dtype} on {place.device}{_why(place)}, the device checked by name only); no model loaded, "
+              f"nothing written in {args.out}; drop --dry-run to run", file=sys.stderr)
         return 0
     stages.mark("tokenizer and samples")
     try:
@@ -170,7 +179,7 @@ def _run(args, grid, source, place, samples, runner, plan, stages, total, tok, t
 
     todo = plan_rows(plan)
     print(f"[fxbudget] {source.name}: {names.plural(todo, 'row')} to run on {names.plural(len(plan), 'sample')} "
-          f"(protocol {','.join(grid.protocols)}, {place.dtype} on {place.device}, "
+          f"(protocol {','.join(grid.protocols)}, {place.dtype} on {place.device}{_why(place)}, "
           f"prefill {'shared per sample' if grid.shares_prefill else 'per rule'}, "
           f"backend {grid.backend or 'none (eager kernel)'}, cache layout {grid.layout()}"
           f"{_interval_words(grid)}"

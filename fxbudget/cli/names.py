@@ -113,15 +113,15 @@ def protocol_names(names: list[str]) -> list[str]:
 
 def dtype_name(name: str | None) -> str | None:
     """The dtype `name` means: `bfloat16`, `float16`, `float32`, or a short name of one (`bf16`, `fp16`, `half`,
-    `fp32`), case-insensitive, `torch.` prefix allowed."""
-    from ..models.devices import DTYPES
+    `fp32`), case-insensitive, `torch.` prefix allowed; or `auto` (`devices.resolve` picks one)."""
+    from ..models.devices import CHOICES, DTYPES
 
     if name is None:
         return None
     key = name.casefold().removeprefix("torch.")
     key = DTYPE_ALIASES.get(key, key)
-    if key in DTYPES:
+    if key in CHOICES:
         return key
     hint = did_you_mean(name, DTYPES) or did_you_mean(name, ("bf16", "fp16", "fp32"))
     raise UsageError(f"--dtype {name}: unknown dtype{hint}; use one of "
-                     f"{', '.join(DTYPES)} (or bf16, fp16, fp32)")
+                     f"{', '.join(DTYPES)} (or bf16, fp16, fp32), or auto")

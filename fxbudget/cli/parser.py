@@ -87,16 +87,19 @@ def _model_options(c) -> None:
     """Which model, on what device, in what dtype: `compare`, `search` and `inspect`."""
     from ..models.devices import DEVICES, DTYPES
 
-    c.add_argument("--model", default=None, help="a local HF model directory, a .gguf file or a hub id such as "
-                   "Qwen/Qwen2.5-0.5B-Instruct (through the HF cache; HF_HUB_OFFLINE=1: the cache only) (default: "
-                   "the embedded Qwen2.5-Coder-0.5B-Instruct)")
+    from ..models.embedded import EMBEDDED
+
+    c.add_argument("--model", default=None, help="a local HF model directory, a .gguf file, a hub id such as "
+                   "Qwen/Qwen2.5-0.5B-Instruct (through the HF cache; HF_HUB_OFFLINE=1: the cache only) or an "
+                   f"embedded model: {', '.join(EMBEDDED)} (default: the embedded Qwen2.5-Coder-0.5B-Instruct)")
     c.add_argument("--revision", default=None, help="with a hub id: the branch, tag or commit (default: main)")
     c.add_argument("--trust-remote-code", action="store_true", help="let a model run its own code (hub models "
                    "that ship modelling code); never without this flag")
     c.add_argument("--device", default=None, help=f"{', '.join(DEVICES)} (default: cuda when a GPU is visible, "
                    "else cpu)")
-    c.add_argument("--dtype", default=None, help=f"{', '.join(DTYPES)}, or bf16, fp16, fp32 (default: bfloat16 on "
-                   "a GPU, float32 on the CPU)")
+    c.add_argument("--dtype", default=None, help=f"{', '.join(DTYPES)}, or bf16, fp16, fp32, or auto (bfloat16 on "
+                   "a GPU or a CPU with native bf16: avx512_bf16, amx_bf16; else float32) (default: bfloat16 on a GPU, "
+                   "float32 on the CPU; the start line says which and why)")
 
 
 def _task_options(c, d, *, task_files: bool = True) -> None:

@@ -5,6 +5,7 @@ one line and exits with status 2, and nothing has been written yet."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -116,14 +117,20 @@ def placement(args, *, ray: bool = False, names_only: bool = False):
 
     args.dtype = dtype_name(args.dtype)  # bf16 -> bfloat16, ...; an unknown name refused with the nearest one
     try:
-        if names_only and not ray:
-            devices.check_names(args.device, args.dtype)
-            device = args.device or "cpu"
-            return devices.Placement(device, args.dtype or ("float32" if device == "cpu" else "bfloat16"))
         if not ray:
-            return devices.resolve(args.device, args.dtype)
+            if names_only:
+                devices.check_names(args.device, args.dtype)
+                place = devices.choose(args.device or "cpu", args.dtype)
+            else:
+                place = devices.resolve(args.device, args.dtype)
+            if place.warning:
+                print(f"[fxbudget] warning: {place.warning}", file=sys.stderr)
+            return place
         devices.check_names(args.device, args.dtype)
         gpus = (args.gpus_per_worker or 0) > 0
+        if args.dtype == "auto" and not gpus:
+            raise ValueError("--dtype auto with --ray on CPU workers: whether their CPUs have native bf16 is not "
+                             "known here; give --dtype float32 or bfloat16")
         device = args.device or ("cuda" if gpus else "cpu")
         if device.startswith("cuda") != gpus:
             raise ValueError(f"--device {device} with --ray needs --gpus-per-worker "
@@ -132,7 +139,8 @@ def placement(args, *, ray: bool = False, names_only: bool = False):
         if device.startswith("cuda:") and device != "cuda:0":
             raise ValueError(f"--device {device} with --ray: each worker sees its own GPUs as cuda:0...; use "
                              "--device cuda")
-        return devices.Placement("cuda:0" if gpus else "cpu", args.dtype or ("bfloat16" if gpus else "float32"))
+        dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+        return devices.Placement("cuda:0" if gpus else "cpu", dtype or ("bfloat16" if gpus else "float32"))
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -141,15 +149,25 @@ def model_source(args):
     """The resolved `--model` (with `--revision`, `--trust-remote-code`), nothing loaded.
 
     Raises:
-        UsageError: a path that is not there or not a model, an offline hub id missing from the cache.
+        UsageError: a path that is not there or not a model, an offline hub id missing from the cache, an
+            embedded model (`--model gemma3-270m`) whose extra is not installed (the pip command).
     """
+    from ..models.embedded import EMBEDDED
     from ..models.source import resolve_model
 
     try:
-        return resolve_model(args.model, revision=getattr(args, "revision", None),
-                             trust_remote_code=getattr(args, "trust_remote_code", False))
+        source = resolve_model(args.model, revision=getattr(args, "revision", None),
+                               trust_remote_code=getattr(args, "trust_remote_code", False))
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if source.kind == "default" and source.location:
+        from ..models import embedded_available
+
+        entry = EMBEDDED[source.location]
+        if not embedded_available(entry):
+            raise UsageError(f"--model {entry.key}: the embedded {entry.name} is not installed; install it with: "
+                             f"{entry.install_hint}")
+    return source
 
 
 def prepare_model(source) -> bool:
@@ -158,8 +176,9 @@ def prepare_model(source) -> bool:
     if source.kind != "default":
         return False
     from ..models import prepare_default
+    from ..models.embedded import DEFAULT, EMBEDDED
 
-    return prepare_default(progress=True)
+    return prepare_default(progress=True, model=EMBEDDED[source.location] if source.location else DEFAULT)
 
 
 def tokenizer(source):

@@ -36,7 +36,10 @@ def model_config(source):
 
     try:
         if source.kind == "default":
-            return AutoConfig.from_pretrained(default_cache_dir())
+            from ..models.embedded import DEFAULT, EMBEDDED
+
+            return AutoConfig.from_pretrained(default_cache_dir(EMBEDDED[source.location] if source.location
+                                                                else DEFAULT))
         return AutoConfig.from_pretrained(source.location, **source.pretrained_kwargs())
     except Exception:  # noqa: BLE001  (a config transformers cannot read: the model load will say why)
         return None

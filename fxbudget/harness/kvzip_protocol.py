@@ -31,13 +31,16 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 
 def template_parts(tokenizer) -> tuple[int, Tensor]:
     """The chat template's user-turn header length (tokens before the context) and its assistant header ids
-    (what follows the user's text), found by templating a marker text; `(0, "\\n")` without a template.
+    (what follows the user's text), found by templating a marker text; without a template, the BOS token's length
+    (0 or 1) and "\\n".
 
     Returns:
         `(prefix_length, suffix_ids [1, m])`.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        return 0, tokenizer("\n", return_tensors="pt", add_special_tokens=False).input_ids
+    if not getattr(tokenizer, "chat_template", None):  # the header is the BOS token, if the prompt starts with one
+        from .tasks.prompt import bos_ids
+
+        return len(bos_ids(tokenizer)), tokenizer("\n", return_tensors="pt", add_special_tokens=False).input_ids
     marker = "fxbudget context marker"
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
                                          tokenize=False, enable_thinking=False)  # the reference's header

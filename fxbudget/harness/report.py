@@ -9,7 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
-from ..models import DEFAULT_MODEL_NAME, DEFAULT_MODEL_WEIGHTS
+from ..models.embedded import by_name
 from .answers import answers_tables
 from .decomposition import decomposed_rules, decomposition_section
 from .grouping import (METRICS, budget_label, budgets, by, logprob_delta, mean_or_none, metric_values,
@@ -163,8 +163,7 @@ def _header(rows: list[dict], sort: str) -> list[str]:
               frozenset({True, False}): "; some read from the fingerprint cache"}.get(cached, "")
     windows = sorted({r["window"] for r in rows if r.get("window") is not None})
     blocks = sorted({str(r.get("block") or "automatic") for r in rows if r["rule"] != REFERENCE})
-    names = [f"{m} ({DEFAULT_MODEL_WEIGHTS}: 4-bit-quantized weights)" if m == DEFAULT_MODEL_NAME else m
-             for m in models]
+    names = [f"{m} ({by_name(m).weights}: 4-bit-quantized weights)" if by_name(m) else m for m in models]
     parts = [f"- model: {', '.join(names)}; device: {_values(rows, 'device')}; dtype: {_values(rows, 'dtype')}; "
              f"torch {first['torch']}, transformers {first['transformers']}, fxbudget {first['fxbudget']}, "
              f"{first['threads']} torch thread(s)",

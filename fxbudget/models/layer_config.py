@@ -100,6 +100,27 @@ def layer_windows(config) -> tuple[int, ...]:
     return (0,) * n
 
 
+def budgeted_layers_line(config) -> str:
+    """Which layers a budget applies to, for a run's header: the full-attention layers; sliding layers keep their
+    window (never budgeted). E.g. "a budget applies to 3 of 18 layers (full attention: 5, 11, 17); the 15 sliding
+    layers keep their window of 512 tokens".
+
+    Raises:
+        UnsupportedArchitectureError: as `layer_windows`.
+    """
+    windows = layer_windows(config)
+    full = [i for i, w in enumerate(windows) if not w]
+    n = len(windows)
+    if len(full) == n:
+        return f"a budget applies to all {n} layers (full attention)"
+    sliding = sorted(set(w for w in windows if w))
+    keep = f"keep their window of {'/'.join(map(str, sliding))} tokens"
+    if not full:
+        return f"a budget applies to no layer: all {n} layers slide and {keep}"
+    return (f"a budget applies to {len(full)} of {n} layers (full attention: {', '.join(map(str, full))}); the "
+            f"{n - len(full)} sliding layers {keep}")
+
+
 def layer_types(config) -> tuple[str, ...]:
     """`full_attention` / `sliding_attention` per layer, from `layer_windows`."""
     return tuple(SLIDING if w else FULL for w in layer_windows(config))

