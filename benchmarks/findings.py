@@ -517,7 +517,7 @@ def _protection_section(rows: list[dict], n_boot: int) -> list[str]:
                         f"{share.value:.2f}" if share.value is not None else "-") + f" | {claim} |")
     if not n:
         out = out[:2] + ["Not measured yet: the decomposition part has no rows on samples that also have the rule "
-                         "and `random` (it needs the `noprotect:` / `protectonly:` wrappers, issue 42 item 1)."]
+                         "and `random` yet: `python benchmarks/findings.py --parts main,decomposition` runs them."]
     return out + [""]
 
 
