@@ -62,6 +62,20 @@ def greedy(model, ids: torch.Tensor, steps: int, cache=None):
     return torch.stack(logits), cache
 
 
+def chunked_prefill_then_decode(m, steps: int = 3, tokens: int = 70):
+    """The budget's bread and butter on a compiled tiny model: a chunked prefill of `tokens` seeded random ids, then
+    `steps` greedy decode steps; returns the last logits, each (layer, row) list of held positions and the cache."""
+    ids = torch.randint(0, 96, (1, tokens), generator=torch.Generator().manual_seed(0))
+    cache = m.forward.new_cache(1)
+    with torch.no_grad():
+        out = m(input_ids=ids, past_key_values=cache)
+        for _ in range(steps):
+            out = m(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache)
+    held = [(i, [p for p in row if p >= 0]) for i in range(len(cache.layers))
+            for row in cache.positions(i)[0].tolist()]
+    return out.logits, held, cache
+
+
 @pytest.fixture(scope="session")
 def llama():
     return tiny_model("llama")

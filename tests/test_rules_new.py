@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fxbudget
-from conftest import fresh, tiny_model
+from conftest import chunked_prefill_then_decode, fresh, tiny_model
 from fxbudget import rules
 from fxbudget.cli.rules_table import rules_table
 
@@ -57,17 +57,10 @@ def test_chunked_prefill_and_decode_evict_to_the_budget(name):
         {"sketch_dimension": 8} if name == "leverage" else {}
     # An instance: compactor's `chunk_size` (its attention chunks) is not compile's `chunk_size` (prefill chunks).
     m = fxbudget.compile(fresh(model), rule=rules.get(name, **params), budget=24, backend=None, chunk_size=16)
-    ids = torch.randint(0, 96, (1, 70), generator=torch.Generator().manual_seed(0))
-    cache = m.forward.new_cache(1)
-    with torch.no_grad():
-        out = m(input_ids=ids, past_key_values=cache)
-        for t in range(3):
-            out = m(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache)
-    assert torch.isfinite(out.logits).all()
-    for i in range(len(cache.layers)):
-        for row in cache.positions(i)[0].tolist():
-            held = [p for p in row if p >= 0]
-            assert len(held) == 24 == len(set(held)) and max(held) <= 72, (i, sorted(held))
+    logits, held, cache = chunked_prefill_then_decode(m)
+    assert torch.isfinite(logits).all()
+    for i, row in held:
+        assert len(row) == 24 == len(set(row)) and max(row) <= 72, (i, sorted(row))
     if name == "chunkkv":  # heads keep the same positions
         assert all(torch.equal(cache.positions(i)[0, 0].sort().values, cache.positions(i)[0, 1].sort().values)
                    for i in range(len(cache.layers)))

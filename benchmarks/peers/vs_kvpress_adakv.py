@@ -47,6 +47,20 @@ SIDES = ("kvpress", "eager", "inductor")  # eager / inductor: fxbudget's kernel 
 # Workers (kvpress side: the peer venv; fxbudget side: the project venv)
 # ----------------------------------------------------------------------------------------------------------------
 
+def record_kept(press, recorded: dict):
+    """`press` with its `compress` wrapped to record each layer's kept positions per KV head into `recorded`
+    (layer index -> lists), as `_kvpress_kept` reads them; returns the press."""
+    orig = press.compress
+
+    def compress(module, hidden_states, keys, values, *a, **k):
+        kept_k, kept_v = orig(module, hidden_states, keys, values, *a, **k)
+        recorded[module.layer_idx] = _kvpress_kept(module, keys, kept_k, keys.shape[2])
+        return kept_k, kept_v
+
+    press.compress = compress
+    return press
+
+
 def _kvpress_kept(module, keys, kept_k, L: int) -> list[list[int]]:
     """Kept context positions per KV head of one layer (batch 0): from the mask of a head-wise press, else by
     matching every kept key row to the input row it was gathered from (a pruning press)."""
@@ -86,15 +100,7 @@ def _worker_kvpress(job: dict) -> dict:
         ratio = 1 - (budget + 0.5) / L
         inner = kvpress.SnapKVPress(compression_ratio=ratio, **KV_SNAP)
         press = kvpress.AdaKVPress(press=inner) if job["rule"] == "adakv:snapkv" else inner
-        orig = press.compress
-
-        def compress(module, hidden_states, keys, values, *a, **k):
-            kept_k, kept_v = orig(module, hidden_states, keys, values, *a, **k)
-            recorded[module.layer_idx] = _kvpress_kept(module, keys, kept_k, keys.shape[2])
-            return kept_k, kept_v
-
-        press.compress = compress
-        return press
+        return record_kept(press, recorded)
 
     def run(ctx_ids, q_ids, max_new, budget):
         ctx, q = torch.tensor([ctx_ids]), torch.tensor([q_ids])

@@ -40,7 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from vs_kvpress import PEER_PYTHON, ROOT, _overlap, _run_worker  # noqa: E402
-from vs_kvpress_adakv import _kvpress_kept  # noqa: E402
+from vs_kvpress_adakv import record_kept  # noqa: E402
 
 ROWS = ("snapkv", "criticalkv", "simlayerkv", "finch", "chunk(snapkv)", "chunk(knorm)", "non_causal_attention", "capkv")
 QUERY_AWARE = {"finch"}
@@ -98,15 +98,7 @@ def _worker_kvpress(job: dict) -> dict:
             press = kvpress.CapPress(compression_ratio=ratio)
         else:
             raise ValueError(row)
-        orig = press.compress
-
-        def compress(module, hidden_states, keys, values, *a, **k):
-            kept_k, kept_v = orig(module, hidden_states, keys, values, *a, **k)
-            recorded[module.layer_idx] = _kvpress_kept(module, keys, kept_k, keys.shape[2])
-            return kept_k, kept_v
-
-        press.compress = compress
-        return press
+        return record_kept(press, recorded)
 
     results = []
     for p in job["prompts"]:
@@ -163,7 +155,7 @@ def _lazy(kept: list[list[int]], L: int, B: int) -> bool:
 
 
 def report(args, runs: dict) -> list[str]:
-    from _common import header_lines
+    from benchlib.env import header_lines
 
     lines = header_lines("Kept-set parity of issue 43's rules with kvpress's presses (embedded model)")
     lines += ["",
@@ -223,7 +215,7 @@ def main() -> int:
         return 0
     sys.path.insert(0, str(ROOT / "benchmarks"))
     sys.path.insert(0, str(ROOT))
-    from _common import write_md
+    from benchlib.output import write_md
 
     store = Path(args.json_out)
     runs = {tuple(k.split("|")): v for k, v in json.loads(store.read_text()).items()} if store.exists() else {}
