@@ -27,8 +27,8 @@ Kept sets: fxbudget `cache.head_positions(layer)`; kvpress has no positions, so 
 holds a list of positions per KV head, row by row (the prompt; each decode call appends its position); the base
 press's `compress` is wrapped and each kept key row is matched to the row it was gathered from (exact equality, as in
 `vs_kvpress.py`), which maps the kept rows back to positions. kvpress's gather leaves the kept rows in top-k order,
-not in position order, so the list follows the rows' order (sorting it would mislabel every later compression). Compared after every evicting step and after step N:
-per layer and KV head, |A & B| / max(|A|, |B|).
+not in position order, so the list follows the rows' order (sorting it would mislabel every later compression).
+Compared after every evicting step and after step N: per layer and KV head, |A & B| / max(|A|, |B|).
 
 Writes results/vs_kvpress_decoding.md and a small results/vs_kvpress_decoding.json (per-configuration summaries and
 the forced tokens; `--json-out FILE` keeps the full kept sets).
@@ -200,6 +200,13 @@ def _prompt(tok, n: int) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
+def _steps(xs: list[int]) -> str:
+    """A list of steps, an arithmetic progression of more than 4 written `a, b, ..., z (n steps)`."""
+    if len(xs) > 4 and all(b - a == xs[1] - xs[0] for a, b in zip(xs, xs[1:])):
+        return f"{xs[0]}, {xs[1]}, ..., {xs[-1]} ({len(xs)} steps)"
+    return ", ".join(map(str, xs))
+
+
 def _compare(f: dict, kv: dict, k: int, N: int) -> dict:
     per_ckpt = {}
     for i in sorted(int(x) for x in f["checkpoints"]):
@@ -279,8 +286,7 @@ def main() -> int:
                          f"{fin['identical']}/{fin['heads']}",
                          f"{min(v['mean'] for v in ck.values()):.4f}",
                          "yes" if c["held_same"] and c["held_prompt_same"] else "NO",
-                         ", ".join(map(str, c["fx_evicting_steps"])),
-                         " / ".join(", ".join(map(str, s)) for s in c["kv_compression_steps"]),
+                         _steps(c["fx_evicting_steps"]), " / ".join(_steps(s) for s in c["kv_compression_steps"]),
                          f"{c['argmax_agree']}/{args.steps}", f"{f['seconds']:.0f} / {kv['seconds']:.0f}"])
             summary.append({"prompt_tokens": P, "budget": B, "interval": k, "steps": args.steps, "kvpress_press": press,
                             "prompt_sha1": hashlib.sha1(json.dumps(prompt).encode()).hexdigest()[:12],
@@ -295,15 +301,17 @@ def main() -> int:
         "(its own venv)" if versions else "- Peer: not run",
         "- Model: the embedded Qwen2.5-Coder-0.5B-Instruct, fp32, SDPA, CPU, 1 thread. Prompt: a chat message (a "
         "request to explain the start of docs/DESIGN.md), identical ids on both sides, in one call.",
-        f"- Rule: fxbudget `knorm` (eager kernel) vs kvpress `KnormPress`; {args.steps} decode steps, fxbudget's greedy "
-        "tokens forced on both sides. Budget / `target_size` B, interval / `compression_interval` k.", "",
+        f"- Rule: fxbudget `knorm` (eager kernel) vs kvpress `KnormPress`; {args.steps} decode steps, fxbudget's "
+        "greedy tokens forced on both sides. Budget / `target_size` B, interval / `compression_interval` k.", "",
         "## Kept sets after the last step, per layer and KV head", "",
         "Overlap: |kept by fxbudget & kept by kvpress| / max(sizes) over layers x KV heads, after step N; `worst "
         "checkpoint mean`: the lowest mean over the checkpoints (after every evicting step and after step N). `held "
         "sequence same`: the entries layer 0 holds after the prompt and after every step are equal on both sides. "
         "`evicting steps`: fxbudget's evicting decode calls; `kvpress compressions`: the steps at which each layer's "
         "DecodingPress compressed (one list when every layer agrees). `kvpress argmax`: steps where kvpress's own "
-        "greedy choice equals the forced token.", ""]
+        "greedy choice equals the forced token (0: the prompt's compression). Seconds: each side's prompt + N "
+        "steps, the drivers' own bookkeeping included (kvpress's kept-set tracking runs at every checkpoint): not a "
+        "timing result.", ""]
     lines += md_table(["P", "B", "k", "N", "kvpress press", "mean overlap (goal >= 0.99)", "min", "heads identical",
                        "worst checkpoint mean", "held sequence same", "fxbudget evicting steps",
                        "kvpress compressions", "kvpress argmax", "seconds fxbudget / kvpress"], rows)
