@@ -187,3 +187,11 @@ def test_decomposed_run_reports_where_the_gain_comes_from(tiny_dir, tmp_path, ca
     section = report.split("## where the gain comes from: score or protection", 1)[1].split("\n## ", 1)[0]
     assert "| h2o | 32 | accuracy | 2 |" in section and "| h2o | 32 | likelihood | 2 |" in section
     assert "(needle_noprotect_h2o.png)" in report or "(heatmap_noprotect_h2o.png)" in report  # no colon in a link
+
+
+def test_protectonly_refuses_a_replay_only_rule():
+    # kvzip's replay tokens stay out of the cache only through its score (-inf): a random score would keep them
+    # (the combination matrix found it: the protocol's own invariant check failed).
+    with pytest.raises(ValueError, match=r"'protectonly:kvzip'.*replay tokens out by its score"):
+        get("protectonly:kvzip")
+    assert get("noprotect:kvzip").name == "noprotect:kvzip"  # the score stays: its protocol holds

@@ -5,7 +5,8 @@ The score is `random`'s (`fxbudget.rules.random`: a hash of position, KV head an
 the signals, so eager and compiled runs keep the same tokens); `protect`, the window, the layer schedule and the
 allocation are the wrapped rule's. With the default `random_seed=0` the draw is the `random` rule's own, so
 `protectonly:<rule>` minus `random` is the protection alone, on the same draw. A rule that protects nothing, and
-`full` (it never evicts), are refused: the wrapper would be `random` under another name.
+`full` (it never evicts), are refused: the wrapper would be `random` under another name; so is a replay-only rule
+(`kvzip`), whose score is what keeps the replay's own tokens out of the cache.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class ProtectOnly(Wrapper):
     def __post_init__(self):
         self._check_wrapped()
         refuse_unprotected(PREFIX, self.rule)
+        if self.rule.replay_only:  # kvzip: its score (-inf on the replay's own tokens) is what keeps them out
+            name = self.rule.name or type(self.rule).__name__
+            raise ValueError(f"rule {PREFIX + name!r}: {name!r} keeps its replay tokens out by its score (they score "
+                             "-inf in the replay call); a random score would keep them, breaking its protocol")
         self.name = PREFIX + (self.rule.name or type(self.rule).__name__)
         check_int(f"{self.name} random_seed", self.random_seed, 0)
         self._random = Random(seed=self.random_seed)
