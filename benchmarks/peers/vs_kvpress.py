@@ -291,6 +291,24 @@ def _run_worker(python: str, side: str, job: dict, env: dict, script: Path | Non
         return json.loads(rp.read_text())
 
 
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """The hidden options a driver's subprocess side is started with (`_run_worker`): which stack, job and result."""
+    p.add_argument("--worker", choices=["kvpress", "fxbudget"], help=argparse.SUPPRESS)
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+
+
+def serve_worker(args, kvpress_worker, fxbudget_worker) -> bool:
+    """In a worker subprocess (`--worker`): run the job file with that stack's worker, write its JSON result; True.
+    False in the driver itself."""
+    if not args.worker:
+        return False
+    job = json.loads(Path(args.job).read_text())
+    res = (kvpress_worker if args.worker == "kvpress" else fxbudget_worker)(job)
+    Path(args.result).write_text(json.dumps(res))
+    return True
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="1 prompt of 1K tokens, budget 256, snapkv and knorm only")
@@ -313,15 +331,10 @@ def main() -> int:
     p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
                    help="run nothing: write the report from the raw results of earlier runs with the same prompt "
                         "options (a later file's row replaces an earlier one's for the same stack, rule and mode)")
-    p.add_argument("--worker", choices=["kvpress", "fxbudget"], help=argparse.SUPPRESS)
-    p.add_argument("--job", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_args(p)
     args = p.parse_args()
 
-    if args.worker:
-        job = json.loads(Path(args.job).read_text())
-        res = (_worker_kvpress if args.worker == "kvpress" else _worker_fxbudget)(job)
-        Path(args.result).write_text(json.dumps(res))
+    if serve_worker(args, _worker_kvpress, _worker_fxbudget):
         return 0
 
     if args.quick:

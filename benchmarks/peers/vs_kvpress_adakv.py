@@ -35,7 +35,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vs_kvpress import PEER_PYTHON, ROOT, _greedy, _overlap, _peak_since, _reset_peak, _run_worker  # noqa: E402
+from vs_kvpress import (PEER_PYTHON, ROOT, _greedy, _overlap, _peak_since, _reset_peak, _run_worker,  # noqa: E402
+                        add_worker_args, serve_worker)
 
 SNAP = {"window": 64, "kernel": 5, "pooling": "avg"}
 KV_SNAP = {"window_size": 64, "kernel_size": 5}
@@ -319,14 +320,9 @@ def main() -> int:
     p.add_argument("--peer-python", default=str(PEER_PYTHON))
     p.add_argument("--store", default=None, help="raw rows (default benchmarks/results/vs_kvpress_adakv/MODE.json)")
     p.add_argument("--out", default=None)
-    p.add_argument("--worker", choices=["kvpress", "fxbudget"], help=argparse.SUPPRESS)
-    p.add_argument("--job", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_args(p)
     args = p.parse_args()
-    if args.worker:
-        job = json.loads(Path(args.job).read_text())
-        res = (_worker_kvpress if args.worker == "kvpress" else _worker_fxbudget)(job)
-        Path(args.result).write_text(json.dumps(res))
+    if serve_worker(args, _worker_kvpress, _worker_fxbudget):
         return 0
     if args.mode is None:
         p.error("give a mode: parity or memory")

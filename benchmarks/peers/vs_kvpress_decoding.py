@@ -47,7 +47,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vs_kvpress import PEER_PYTHON, ROOT, _overlap, _run_worker  # noqa: E402
+from vs_kvpress import PEER_PYTHON, ROOT, add_worker_args, _overlap, _run_worker, serve_worker  # noqa: E402
 
 RULE = "knorm"
 QUESTION = "Explain the following design notes in your own words, in detail, section by section:\n\n"
@@ -235,14 +235,9 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_kvpress_decoding.md"))
     p.add_argument("--summary-json", default=str(ROOT / "benchmarks" / "results" / "vs_kvpress_decoding.json"))
     p.add_argument("--json-out", default=None, help="also keep the raw worker results (kept sets included)")
-    p.add_argument("--worker", choices=["kvpress", "fxbudget"], help=argparse.SUPPRESS)
-    p.add_argument("--job", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_args(p)
     args = p.parse_args()
-    if args.worker:
-        job = json.loads(Path(args.job).read_text())
-        res = (_worker_kvpress if args.worker == "kvpress" else _worker_fxbudget)(job)
-        Path(args.result).write_text(json.dumps(res))
+    if serve_worker(args, _worker_kvpress, _worker_fxbudget):
         return 0
 
     sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -39,7 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vs_kvpress import PEER_PYTHON, ROOT, _overlap, _run_worker  # noqa: E402
+from vs_kvpress import PEER_PYTHON, ROOT, add_worker_args, _overlap, _run_worker, serve_worker  # noqa: E402
 from vs_kvpress_adakv import record_kept  # noqa: E402
 
 ROWS = ("snapkv", "criticalkv", "simlayerkv", "finch", "chunk(snapkv)", "chunk(knorm)", "non_causal_attention", "capkv")
@@ -204,14 +204,9 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_kvpress_presses.md"))
     p.add_argument("--json-out", default=str(ROOT / "benchmarks" / "results" / "vs_kvpress_presses.json"))
     p.add_argument("--report-only", action="store_true", help="rewrite the report from --json-out")
-    p.add_argument("--worker", choices=["kvpress", "fxbudget"], help=argparse.SUPPRESS)
-    p.add_argument("--job", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_args(p)
     args = p.parse_args()
-    if args.worker:
-        job = json.loads(Path(args.job).read_text())
-        res = (_worker_kvpress if args.worker == "kvpress" else _worker_fxbudget)(job)
-        Path(args.result).write_text(json.dumps(res))
+    if serve_worker(args, _worker_kvpress, _worker_fxbudget):
         return 0
     sys.path.insert(0, str(ROOT / "benchmarks"))
     sys.path.insert(0, str(ROOT))
