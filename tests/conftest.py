@@ -62,6 +62,28 @@ def greedy(model, ids: torch.Tensor, steps: int, cache=None):
     return torch.stack(logits), cache
 
 
+def generated(model, ids: torch.Tensor, n: int = 8) -> torch.Tensor:
+    """The `n` tokens `model.generate` decodes greedily after `ids` (the real-model tests' oracle)."""
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, temperature=None, top_p=None, top_k=None)
+    return out[0, ids.shape[1]:]
+
+
+def assert_covering_budget_exact(model, tok, ids: torch.Tensor, answer: str) -> None:
+    """A budget that covers the prompt and its generation changes no greedy token of the unmodified model, whose
+    output holds `answer`."""
+    import fxbudget
+
+    ref = generated(model, ids)
+    fxbudget.compile(model, rule="snapkv", budget=ids.shape[1] + 16, backend=None)
+    try:
+        got = generated(model, ids)
+    finally:
+        model.forward.restore()
+    assert torch.equal(got, ref), (tok.decode(got), tok.decode(ref))
+    assert answer in tok.decode(ref), tok.decode(ref)
+
+
 def chunked_prefill_then_decode(m, steps: int = 3, tokens: int = 70):
     """The budget's bread and butter on a compiled tiny model: a chunked prefill of `tokens` seeded random ids, then
     `steps` greedy decode steps; returns the last logits, each (layer, row) list of held positions and the cache."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fxbudget
+from conftest import assert_covering_budget_exact, generated
 from fxbudget.cache.keyword import output_cache
 from fxbudget.models.embedded import GEMMA3_270M
 from fxbudget.harness.tasks import chat_ids, passkey
@@ -24,12 +25,6 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def loaded():
     return load_embedded(GEMMA3_270M, progress=False)
-
-
-def _greedy(model, ids, n=8):
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=n, do_sample=False, temperature=None, top_p=None, top_k=None)
-    return out[0, ids.shape[1]:]
 
 
 def test_loads_as_a_base_model_with_its_windows(loaded):
@@ -58,14 +53,7 @@ def test_covering_budget_reproduces_model_past_the_window(loaded):
     sample = passkey(tok, 700, seed=3)
     ids = torch.cat(chat_ids(tok, sample), dim=1)
     assert ids.shape[1] > 512
-    ref = _greedy(model, ids)
-    fxbudget.compile(model, rule="snapkv", budget=ids.shape[1] + 16, backend=None)
-    try:
-        got = _greedy(model, ids)
-    finally:
-        model.forward.restore()
-    assert torch.equal(got, ref), (tok.decode(got), tok.decode(ref))
-    assert sample.answer in tok.decode(ref), tok.decode(ref)
+    assert_covering_budget_exact(model, tok, ids, sample.answer)
 
 
 def test_snapkv_budget_256_finds_passkey(loaded):
@@ -79,7 +67,7 @@ def test_snapkv_budget_256_finds_passkey(loaded):
         cache = output_cache(out)
         kinds = model.config.layer_types
         held = [int((cache.positions(i) >= 0).sum(-1).max()) for i in range(len(kinds))]
-        answer = tok.decode(_greedy(model, ids), skip_special_tokens=True)
+        answer = tok.decode(generated(model, ids), skip_special_tokens=True)
     finally:
         model.forward.restore()
     # The budget on the full-attention layers only; a sliding layer holds its window.

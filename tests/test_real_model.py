@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fxbudget
+from conftest import assert_covering_budget_exact, generated
 from fxbudget.harness.tasks import chat_ids, passkey
 from fxbudget.models import DEFAULT_MODEL_NAME, default_model_available, load_default
 
@@ -23,12 +24,6 @@ def loaded():
     return load_default(progress=False)
 
 
-def _greedy(model, ids, n=8):
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=n, do_sample=False, temperature=None, top_p=None, top_k=None)
-    return out[0, ids.shape[1]:]
-
-
 def _prompt(tok, n_tokens, seed):
     sample = passkey(tok, n_tokens, depth=0.4, seed=seed)
     return sample, torch.cat(chat_ids(tok, sample), dim=1)
@@ -37,14 +32,7 @@ def _prompt(tok, n_tokens, seed):
 def test_budget_covering_context_reproduces_model(loaded):
     model, tok = loaded
     sample, ids = _prompt(tok, 300, seed=1)
-    ref = _greedy(model, ids)
-    fxbudget.compile(model, rule="snapkv", budget=ids.shape[1] + 16, backend=None)
-    try:
-        got = _greedy(model, ids)
-    finally:
-        model.forward.restore()
-    assert torch.equal(got, ref), (tok.decode(got), tok.decode(ref))
-    assert sample.answer in tok.decode(ref)
+    assert_covering_budget_exact(model, tok, ids, sample.answer)
 
 
 def test_snapkv_budget_256_finds_passkey(loaded):
@@ -53,7 +41,7 @@ def test_snapkv_budget_256_finds_passkey(loaded):
     assert 1450 <= ids.shape[1] <= 1600
     fxbudget.compile(model, rule="snapkv", budget=256, backend=None)
     try:
-        answer = tok.decode(_greedy(model, ids), skip_special_tokens=True)
+        answer = tok.decode(generated(model, ids), skip_special_tokens=True)
     finally:
         model.forward.restore()
     assert sample.answer in answer, answer
