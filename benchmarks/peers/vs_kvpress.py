@@ -1,7 +1,7 @@
 """fxbudget vs kvpress (the peer) on the embedded model: accuracy, end-to-end time, peak memory, kept-set overlap.
 
     bash benchmarks/peers/setup_kvpress.sh                                   # once: the peer venv
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/peers/vs_kvpress.py [--quick]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/peers/vs_kvpress.py [--quick] [--model gemma3-270m]
 
 Two stacks, two venvs, never imported into each other: the kvpress side (kvpress 0.5.5, transformers 5.2.0) runs in
 `benchmarks/peers/.venv-kvpress`, the fxbudget side in the project venv; this driver (project venv) builds the passkey
@@ -23,6 +23,13 @@ do not keep a plain top-k of one score (ChunkKVPress keeps whole chunks) are mea
 fxbudget: `cache.positions(layer)`. fxbudget runs each rule twice: one-shot prefill (the context in one call, so
 eviction happens once after the whole context, as in kvpress: the semantics coincide) and chunked prefill
 (`--chunk`; evicts as it goes, bounded memory: the configuration the memory goal is about).
+
+`--model` picks another embedded model (`fxbudget.models.embedded`; a base model is prompted as plain text). On a
+model with sliding layers (Gemma 3) fxbudget budgets the full-attention layers only and keeps each sliding layer's
+window, while kvpress's BasePress hooks every layer of a text-only `Gemma3ForCausalLM` (it skips sliding layers for
+`Gemma3ForConditionalGeneration` only): the overlap is taken over the full-attention layers (whose prefill does not
+depend on what any layer's cache keeps, within one call) and reported per layer, beside what each stack holds on the
+sliding layers.
 
 Peak memory: in each fresh worker, after loading the model and a short warm-up (which pages in every weight), the
 kernel's RSS high-water mark is reset (`/proc/self/clear_refs` = 5, which also resets `ru_maxrss`); the figure is
@@ -131,12 +138,28 @@ def _greedy(step, first_logits, eos: list[int], max_new: int) -> list[int]:
     return ids
 
 
+def kvpress_ratio(budget: int, L: int) -> float:
+    """kvpress's compression ratio that keeps exactly `budget` of `L` context tokens: it keeps `int(L * (1 - ratio))`,
+    and `1 - budget / L` can round to budget - 1."""
+    return 1 - (budget + 0.5) / L
+
+
+def kvpress_press(rule: str, budget: int, L: int):
+    """kvpress's press of a `RULES` row, keeping `budget` of an `L`-token context (peer venv: imports kvpress)."""
+    import kvpress
+
+    _, cls, params = RULES[rule]
+    ratio = kvpress_ratio(budget, L)
+    if cls == "ChunkKVPress":  # wraps a ScorerPress (SnapKVPress at its defaults), which takes the ratio
+        return kvpress.ChunkKVPress(press=kvpress.SnapKVPress(compression_ratio=ratio), **params)
+    return getattr(kvpress, cls)(compression_ratio=ratio, **params)
+
+
 def _worker_kvpress(job: dict) -> dict:
     import torch
     import transformers
     from importlib.metadata import version
 
-    import kvpress
     from kvpress.pipeline import KVPressTextGenerationPipeline
     from kvpress.utils import compute_n_kept
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -153,12 +176,7 @@ def _worker_kvpress(job: dict) -> dict:
     def make_press(L: int, budget: int):
         if rule == "full":
             return None, L
-        _, cls, params = RULES[rule]
-        ratio = 1 - (budget + 0.5) / L
-        if cls == "ChunkKVPress":
-            press = kvpress.ChunkKVPress(press=kvpress.SnapKVPress(compression_ratio=ratio), **params)
-        else:
-            press = getattr(kvpress, cls)(compression_ratio=ratio, **params)
+        press = kvpress_press(rule, budget, L)
         orig = press.compress
 
         def compress(module, hidden_states, keys, values, *a, **k):
@@ -174,7 +192,7 @@ def _worker_kvpress(job: dict) -> dict:
             return [sorted(set(row)) for row in idx.tolist()]
 
         press.compress = compress
-        return press, compute_n_kept(L, ratio)
+        return press, compute_n_kept(L, kvpress_ratio(budget, L))
 
     def run(ctx_ids, q_ids, max_new, budget=budget):
         ctx = torch.tensor([ctx_ids])
@@ -223,10 +241,10 @@ def _worker_fxbudget(job: dict) -> dict:
     import transformers
 
     import fxbudget
-    from fxbudget.models import load_default
+    from fxbudget.models import load_embedded
 
     torch.set_num_threads(1)
-    model, tok = load_default(progress=False)
+    model, tok = load_embedded(job["model"], progress=False)
     rule, budget, chunk = job["rule"], job["budget"], job["chunk"]
     params = RULES[rule][0]
     eos = model.generation_config.eos_token_id
@@ -309,10 +327,48 @@ def serve_worker(args, kvpress_worker, fxbudget_worker) -> bool:
     return True
 
 
+def _span(sizes: list[int]) -> str:
+    """Sorted set sizes as `n` when all equal, else `min-max`."""
+    return f"{sizes[0]}" if len(set(sizes)) == 1 else f"{sizes[0]}-{sizes[-1]}"
+
+
+def per_layer_section(args, runs: list, rules: list, find, compared: list, L: list) -> list[str]:
+    """For a model with sliding layers: the overlap per compared (full-attention) layer and prompt, and what each
+    stack holds on the other layers (kvpress's BasePress compresses every layer of a text-only model, fxbudget keeps a
+    sliding layer's window)."""
+    sliding = [i for i in range(len(runs[0]["results"][0]["kept"])) if i not in compared]
+    modes = ("one",) if args.no_chunked else ("one", "chunk")
+    out = ["## Per full-attention layer", "",
+           f"Overlap per compared layer, per prompt (context lengths {L}), one KV head each; the last columns: the "
+           f"sizes of the sets held after the context on the {len(sliding)} other (sliding) layers.", "",
+           "| rule | fxbudget prefill | layer | " + " | ".join(f"{n} tokens" for n in L) + " | mean | "
+           "kvpress held on sliding layers | fxbudget held on sliding layers |",
+           "|---|---|---|" + "---|" * len(L) + "---|---|---|"]
+
+    def held(res) -> str:
+        return _span(sorted({len(h) for x in res for i in sliding for h in x["kept"][i]}))
+
+    for rule in rules:
+        k = find("kvpress", rule, "full")
+        for mode in modes:
+            f = find("fxbudget", rule, mode)
+            for i in compared:
+                per = [statistics.mean(_overlap([xf["kept"][i]], [xk["kept"][i]]))
+                       for xk, xf in zip(k["results"], f["results"])]
+                out.append(f"| {rule} | {f['mode']} | {i} | " + " | ".join(f"{o:.4f}" for o in per)
+                           + f" | {statistics.mean(per):.4f} | {held(k['results'])} | {held(f['results'])} |")
+    return out + [""]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="1 prompt of 1K tokens, budget 256, snapkv and knorm only")
-    p.add_argument("--context", type=int, default=2048, help="context length in tokens (passkey haystack)")
+    p.add_argument("--model", default=None,
+                   help="an embedded model's `--model` key (fxbudget.models.embedded; default: the default one, "
+                        "Qwen2.5-Coder-0.5B-Instruct); on a model with sliding layers the overlap is over its "
+                        "full-attention layers, the ones a budget applies to, with a per-layer table")
+    p.add_argument("--context", type=int, nargs="+", default=[2048],
+                   help="context length(s) in tokens (passkey haystack); --prompts prompts at each")
     p.add_argument("--budget", type=int, default=512, help="absolute KV budget per layer and KV head")
     p.add_argument("--chunk", type=int, default=256, help="fxbudget's chunked-prefill chunk size")
     p.add_argument("--prompts", type=int, default=2, help="passkey prompts (depths spread over the context)")
@@ -326,7 +382,8 @@ def main() -> int:
                         "first prompt, for a side-by-side time ratio on a shared machine")
     p.add_argument("--timing-only", action="store_true", help="only the --timing-rounds rows (no main table)")
     p.add_argument("--peer-python", default=str(PEER_PYTHON))
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_kvpress.md"))
+    p.add_argument("--out", default=None,
+                   help="the report (default: benchmarks/results/vs_kvpress.md; with --model: vs_kvpress_<key>.md)")
     p.add_argument("--json-out", default=None, help="also write the raw results here (rewritten after every row)")
     p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
                    help="run nothing: write the report from the raw results of earlier runs with the same prompt "
@@ -338,7 +395,7 @@ def main() -> int:
         return 0
 
     if args.quick:
-        args.context, args.budget, args.prompts, args.rules = 1024, 256, 1, "snapkv,knorm"
+        args.context, args.budget, args.prompts, args.rules = [1024], 256, 1, "snapkv,knorm"
     if not Path(args.peer_python).exists():
         sys.exit(f"peer venv missing ({args.peer_python}): run `bash benchmarks/peers/setup_kvpress.sh` first")
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -347,27 +404,39 @@ def main() -> int:
     from benchlib.output import analysis_link, md_table, write_md  # noqa: E402
 
     import torch
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig
 
     from fxbudget.harness.tasks import chat_ids, passkey
-    from fxbudget.models import default_cache_dir
+    from fxbudget.models import default_cache_dir, embedded_tokenizer
+    from fxbudget.models.embedded import DEFAULT, EMBEDDED
+    from fxbudget.models.layer_config import FULL, budgeted_layers_line, layer_types
 
     torch.set_num_threads(1)
     info = env_info()
     command = command_line()
-    model_dir = str(default_cache_dir())
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    if args.model is not None and args.model not in EMBEDDED:
+        sys.exit(f"--model {args.model}: not an embedded model (one of {', '.join(EMBEDDED)})")
+    entry = EMBEDDED[args.model] if args.model else DEFAULT
+    args.out = args.out or str(ROOT / "benchmarks" / "results" /
+                               ("vs_kvpress.md" if entry is DEFAULT else f"vs_kvpress_{entry.key}.md"))
+    model_dir = str(default_cache_dir(entry))
+    tok = embedded_tokenizer(entry, model_dir)  # a base model's without a chat template: plain-text prompts
+    config = AutoConfig.from_pretrained(model_dir)
+    # The layers compared: those a budget applies to (full attention); kvpress may compress the others too.
+    compared = [i for i, t in enumerate(layer_types(config)) if t == FULL]
+    every_layer = len(compared) == config.num_hidden_layers
     depths = [0.5] if args.prompts == 1 else [round(0.1 + 0.8 * i / (args.prompts - 1), 2) for i in range(args.prompts)]
     prompts, samples = [], []
-    for i, depth in enumerate(depths):
-        s = passkey(tok, args.context, depth=depth, seed=i)
-        ctx, q = chat_ids(tok, s)
-        prompts.append({"ctx": ctx[0].tolist(), "q": q[0].tolist()})
-        samples.append(s)
+    for n_tokens in args.context:
+        for i, depth in enumerate(depths):
+            s = passkey(tok, n_tokens, depth=depth, seed=i)
+            ctx, q = chat_ids(tok, s)
+            prompts.append({"ctx": ctx[0].tolist(), "q": q[0].tolist()})
+            samples.append(s)
     warm = {"ctx": prompts[0]["ctx"][:160], "q": prompts[0]["q"]}
     headroom = max(len(p_["q"]) for p_ in prompts) + args.new_tokens + 8
     rules = [r for r in args.rules.split(",") if r]
-    base_job = {"model_dir": model_dir, "budget": args.budget, "prompts": prompts, "warmup": warm,
+    base_job = {"model": entry.key, "model_dir": model_dir, "budget": args.budget, "prompts": prompts, "warmup": warm,
                 "new_tokens": args.new_tokens, "headroom": headroom}
     env_k = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env_k.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
@@ -404,7 +473,8 @@ def main() -> int:
               f"peak +{res['peak_rss_delta_mb']:.0f} MB", flush=True)
         runs.append(res)
         if args.json_out:  # after every row: a long run interrupted keeps what it measured
-            Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": runs}))
+            Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": runs, "prompts": [
+                {**p_, "answer": s.answer} for p_, s in zip(prompts, samples)]}))
 
     # ---- report
     timing_runs = [r for r in runs if r.get("timing")]
@@ -439,23 +509,27 @@ def main() -> int:
 
     kv_versions = next(r["versions"] for r in runs if r["side"] == "kvpress")
     L = [len(p_["ctx"]) for p_ in prompts]
-    n_layers = None
     lines = header_lines("fxbudget vs kvpress (query-agnostic, embedded model)", info, command,
                          load_after=load_str())
     lines += [
         f"- Peer stack: kvpress {kv_versions['kvpress']}, transformers {kv_versions['transformers']}, torch "
         f"{kv_versions['torch']} (separate venv, `benchmarks/peers/setup_kvpress.sh`); fxbudget side: the project venv "
         f"above, eager kernel (`backend=None`).",
-        f"- Model: Qwen2.5-Coder-0.5B-Instruct fp32, SDPA, CPU, 1 thread. Prompts: {len(prompts)} passkey prompts "
-        f"(`fxbudget.harness.tasks.passkey`, seeds 0..{len(prompts) - 1}, depths {depths}), chat-formatted, context "
+        f"- Model: {entry.name} fp32, SDPA, CPU, 1 thread. Prompts: {len(prompts)} passkey prompts "
+        f"(`fxbudget.harness.tasks.passkey`, seeds 0..{args.prompts - 1}, depths {depths}"
+        f"{'' if len(args.context) == 1 else ' at each context length'}), "
+        f"{'chat-formatted' if entry.chat else 'plain text (a base model: no chat template)'}, context "
         f"{L} tokens + question {[len(p_['q']) for p_ in prompts]} tokens; identical token ids on both sides.",
         f"- Budget B = {args.budget} entries per layer and KV head on both sides (kvpress ratio = 1 - (B + 0.5)/L, "
         f"kept = {sorted({x['n_kept'] for r in runs if r['side'] == 'kvpress' and r['rule'] != 'full' for x in r['results']})}); "
         f"greedy answer <= {args.new_tokens} tokens; fxbudget head-room {headroom} slots for question + answer; "
         f"fxbudget chunked prefill: chunks of {args.chunk}.",
-        f"- Rule parameters: " + "; ".join(f"{r}: fxbudget {RULES[r][0] or '{}'} / kvpress {RULES[r][1]}"
+        "- Rule parameters: " + "; ".join(f"{r}: fxbudget {RULES[r][0] or '{}'} / kvpress {RULES[r][1]}"
                                              f"{RULES[r][2] or ''}" for r in rules), "",
     ]
+    if not every_layer:
+        lines[-1:] = [f"- Layers: {budgeted_layers_line(config)} (fxbudget); the overlap tables compare layers "
+                      f"{compared} only (see the per-layer table).", ""]
     # Table 1: accuracy + time + memory
     lines += ["## Accuracy, end-to-end time, peak memory", "",
               "Time: context prefill + question + greedy answer, median over prompts (fresh process per row, rows run "
@@ -499,21 +573,29 @@ def main() -> int:
               "", "| rule | fxbudget prefill | mean overlap (goal >= 0.99) | min | heads identical | heads | "
               "kvpress kept | kvpress set covered |", "|---|---|---|---|---|---|---|---|"]
     overlaps = {}
+
+    def layers(kept: list) -> list:
+        """The compared layers' kept sets (every layer but sliding ones)."""
+        assert len(kept) == config.num_hidden_layers, "kept sets of some layers only"
+        return [kept[i] for i in compared]
+
     for rule in rules:
         k = find("kvpress", rule, "full")
         for mode in ("one",) if args.no_chunked else ("one", "chunk"):
             f = find("fxbudget", rule, mode)
             ov, cov = [], []
             for xk, xf in zip(k["results"], f["results"]):
-                ov += _overlap(xf["kept"], xk["kept"])
-                cov += [len(set(a) & set(b)) / max(len(b), 1) for la, lb in zip(xf["kept"], xk["kept"])
-                        for a, b in zip(la, lb)]
-            sizes = sorted({len(h) for x in k["results"] for la in x["kept"] for h in la})
+                kf, kk = layers(xf["kept"]), layers(xk["kept"])
+                ov += _overlap(kf, kk)
+                cov += [len(set(a) & set(b)) / max(len(b), 1) for la, lb in zip(kf, kk) for a, b in zip(la, lb)]
+            sizes = sorted({len(h) for x in k["results"] for la in layers(x["kept"]) for h in la})
             overlaps[(rule, mode)] = ov
             lines.append(f"| {rule} | {f['mode']} | {statistics.mean(ov):.4f} | {min(ov):.3f} | "
                          f"{sum(o == 1.0 for o in ov)} | {len(ov)} | "
-                         f"{sizes[0] if len(sizes) == 1 else f'{sizes[0]}-{sizes[-1]}'} | {statistics.mean(cov):.4f} |")
+                         f"{_span(sizes)} | {statistics.mean(cov):.4f} |")
     lines += [""]
+    if not every_layer:
+        lines += per_layer_section(args, runs, rules, find, compared, L)
     lines += timing_section()
     lines += analysis_link(Path(args.out).stem)
     write_md(args.out, lines)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vs_kvpress import (PEER_PYTHON, ROOT, _greedy, _overlap, _peak_since, _reset_peak, _run_worker,  # noqa: E402
+from vs_kvpress import (PEER_PYTHON, ROOT, _greedy, kvpress_ratio, _overlap, _peak_since, _reset_peak, _run_worker,  # noqa: E402
                         add_worker_args, serve_worker)
 
 SNAP = {"window": 64, "kernel": 5, "pooling": "avg"}
@@ -98,8 +98,7 @@ def _worker_kvpress(job: dict) -> dict:
     recorded: dict[int, list] = {}
 
     def make_press(L: int, budget: int):
-        ratio = 1 - (budget + 0.5) / L
-        inner = kvpress.SnapKVPress(compression_ratio=ratio, **KV_SNAP)
+        inner = kvpress.SnapKVPress(compression_ratio=kvpress_ratio(budget, L), **KV_SNAP)
         press = kvpress.AdaKVPress(press=inner) if job["rule"] == "adakv:snapkv" else inner
         return record_kept(press, recorded)
 

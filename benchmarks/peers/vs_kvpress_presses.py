@@ -39,7 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vs_kvpress import PEER_PYTHON, ROOT, add_worker_args, _overlap, _run_worker, serve_worker  # noqa: E402
+from vs_kvpress import PEER_PYTHON, ROOT, add_worker_args, kvpress_ratio, _overlap, _run_worker, serve_worker  # noqa: E402
 from vs_kvpress_adakv import record_kept  # noqa: E402
 
 ROWS = ("snapkv", "criticalkv", "simlayerkv", "finch", "chunk(snapkv)", "chunk(knorm)", "non_causal_attention", "capkv")
@@ -75,7 +75,7 @@ def _worker_kvpress(job: dict) -> dict:
         delim = finch.delimiter_token_id
 
     def make_press(L: int):
-        ratio = 1 - (B + 0.5) / L
+        ratio = kvpress_ratio(B, L)
         snap = dict(window_size=64, kernel_size=5)
         if row == "snapkv":
             press = kvpress.SnapKVPress(compression_ratio=ratio, **snap)
