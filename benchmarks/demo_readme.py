@@ -4,6 +4,8 @@ from it.
     OMP_NUM_THREADS=1 python benchmarks/demo_readme.py                 # make demo's grid -> docs/demo/
     OMP_NUM_THREADS=1 python benchmarks/demo_readme.py --grid 8k       # the 8K grid (issue 9) -> docs/compare_8k/
     OMP_NUM_THREADS=1 python benchmarks/demo_readme.py --grid quick    # README's quick start -> docs/quickstart/
+    python benchmarks/demo_readme.py --grid gemma                      # make demo's grid on Gemma 3 270M
+    OMP_NUM_THREADS=1 python benchmarks/demo_readme.py --grid quick-gemma  # the quick start on Gemma 3 270M
     python benchmarks/demo_readme.py --publish-only runs/demo          # publish an existing run (untimed), fill
     python benchmarks/demo_readme.py --fill-only [--grid G]            # only rewrite the regions from the files
 
@@ -45,6 +47,9 @@ GRIDS = {
     # README's quick start: `fxbudget compare QUICK_ARGS`, sized to take about 3 minutes on an idle 2-core CPU,
     # first model load included (two samples: the query-aware protocol separates the rules already).
     "quick": ([], ROOT / "docs" / "quickstart"),
+    # Issue 41: the same two on the second embedded model (docs/embedded-models.md shows them).
+    "gemma": (["--model", "gemma3-270m"], ROOT / "docs" / "demo_gemma"),
+    "quick-gemma": (["--model", "gemma3-270m"], ROOT / "docs" / "quickstart_gemma"),
 }
 QUICK_ARGS = ["compare", "--tasks", "passkey", "--lengths", "1000", "--rules", "full,streamingllm,snapkv,tova",
               "--budgets", "128", "--samples", "2", "--protocol", "query-aware", "--out", "runs/quick"]
@@ -83,7 +88,16 @@ def run_demo(out: Path, extra: list[str], env: dict[str, str] | None = None) -> 
             "load_before": load_before, "load_after": load_str()}
 
 
-def run_quick(out: Path) -> dict:
+def is_quick(grid: str) -> bool:
+    """A quick-start grid (`fxbudget compare QUICK_ARGS` and the grid's arguments), not a `make demo` one."""
+    return grid.startswith("quick")
+
+
+def quick_args(grid: str) -> list[str]:
+    return QUICK_ARGS + GRIDS[grid][0]
+
+
+def run_quick(out: Path, args: list[str]) -> dict:
     """README's quick start in a fresh clone of HEAD with an empty model cache, timed; the run's folder is copied
     to `out` and what the command printed (its `[fxbudget]` lines and its output, not the progress bars; the
     temporary cache folder shown as `$FXBUDGET_CACHE`) is kept as `out/output.txt`. Records the wall seconds and the
@@ -91,7 +105,7 @@ def run_quick(out: Path) -> dict:
     with fresh_clone() as (clone, env, head):
         load_before, t = load_str(), time.perf_counter()
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        done = subprocess.run([sys.executable, "-m", "fxbudget.cli", *QUICK_ARGS], cwd=clone, env=env,
+        done = subprocess.run([sys.executable, "-m", "fxbudget.cli", *args], cwd=clone, env=env,
                               capture_output=True, text=True)
         wall_s = round(time.perf_counter() - t, 1)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -102,7 +116,7 @@ def run_quick(out: Path) -> dict:
     notes = [line.replace(env["FXBUDGET_CACHE"], "$FXBUDGET_CACHE") for chunk in done.stderr.splitlines()
              for line in chunk.split("\r") if line.startswith("[fxbudget]")]
     (out / "output.txt").write_text("\n".join(notes) + "\n" + done.stdout)
-    return {**env_info("cpu"), "command": "OMP_NUM_THREADS=1 fxbudget " + " ".join(QUICK_ARGS),
+    return {**env_info("cpu"), "command": "OMP_NUM_THREADS=1 fxbudget " + " ".join(args),
             "clone": head, "fxbudget_cache": "empty", "wall_s": wall_s, "cpu_s": cpu_s,
             "date": time.strftime("%Y-%m-%d %H:%M %Z"),
             "load_before": load_before, "load_after": load_str()}
@@ -158,7 +172,7 @@ def quick_regions() -> dict[str, str]:
     """The quick start's regions: its command, wall time and load, and what it printed."""
     wall = json.loads((DOCS / "wall.json").read_text())
     rel = DOCS.relative_to(ROOT).as_posix()
-    command = " ".join(QUICK_ARGS).replace(" --rules", " \\\n    --rules")
+    command = " ".join(quick_args(PREFIX)).replace(" --rules", " \\\n    --rules")
     return {
         "command": f"```\nfxbudget {command}\n```",
         "time": _minutes(wall["wall_s"]),
@@ -172,7 +186,7 @@ def quick_regions() -> dict[str, str]:
 
 def regions() -> dict[str, str]:
     """Region name -> its text, from the files in DOCS."""
-    if PREFIX == "quick":
+    if is_quick(PREFIX):
         return quick_regions()
     report = (DOCS / "report.md").read_text()
     wall = json.loads((DOCS / "wall.json").read_text())
@@ -225,7 +239,7 @@ def fill_readme(paths: list[Path] | None = None) -> None:
         if text != original:
             path.write_text(text)
     missing = sorted(set(regions()) - found)
-    if missing and PREFIX in ("demo", "quick"):
+    if missing and PREFIX != "8k":
         raise SystemExit(f"no '<!-- {PREFIX} {missing[0]} -->' marker in README.md or docs/*.md")
 
 
@@ -254,7 +268,8 @@ def main() -> int:
         report([DOCS])
     elif not a.fill_only:
         with tempfile.TemporaryDirectory(prefix="fxbudget-demo-") as d:
-            wall = run_quick(Path(d) / a.grid) if a.grid == "quick" else run_demo(Path(d) / a.grid, extra)
+            wall = run_quick(Path(d) / a.grid, quick_args(a.grid)) if is_quick(a.grid) else \
+                run_demo(Path(d) / a.grid, extra)
             publish(Path(d) / a.grid, wall)
     fill_readme()
     print(f"{DOCS.relative_to(ROOT)}/, README.md and docs/*.md updated from {DOCS}")

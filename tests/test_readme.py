@@ -64,13 +64,14 @@ def test_user_rule_block_runs_alone(tmp_path):
     assert done.stdout.strip().endswith("True")
 
 
-def test_quick_start_output_holds_todays_tables():
-    """The printed quick start (docs/quickstart/output.txt, the README's region) shows the tables today's report code
-    prints for the run's committed rows: a change of format makes it stale until `python benchmarks/demo_readme.py
-    --grid quick` reruns it."""
+@pytest.mark.parametrize("folder", ["quickstart", "quickstart_gemma"])
+def test_quick_start_output_holds_todays_tables(folder):
+    """The printed quick start (docs/quickstart/output.txt, the README's region; its Gemma 3 twin) shows the tables
+    today's report code prints for the run's committed rows: a change of format makes it stale until
+    `python benchmarks/demo_readme.py --grid quick` (or `quick-gemma`) reruns it."""
     from fxbudget.harness.report import accuracy_table, likelihood_table
 
-    quick = ROOT / "docs" / "quickstart"
+    quick = ROOT / "docs" / folder
     rows = [json.loads(line) for line in (quick / "results.jsonl").read_text().splitlines() if line.strip()]
     printed = (quick / "output.txt").read_text()
     assert accuracy_table(rows, "accuracy", by_setting=True) in printed, "rerun the quick start: accuracy table"
@@ -110,7 +111,7 @@ def test_readme_python_example_prints_the_models_answer(capsys):
     assert f"# {ns['ids'].shape[1]} tokens" in code  # the prompt's length the example states
 
 
-@pytest.mark.parametrize("grid", ["quick", "demo", "8k"])
+@pytest.mark.parametrize("grid", ["quick", "demo", "8k", "gemma", "quick-gemma"])
 def test_filled_regions_match_the_committed_runs(grid, tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
