@@ -80,6 +80,7 @@ PILOT = ROOT / "benchmarks" / "results" / "ruler_cpu"  # the rows the sample siz
 OUT = ROOT / "benchmarks" / "results" / "findings"
 PAGE = ROOT / "docs" / "findings.md"
 ALPHA = 0.05
+FIRST = float(BUDGETS[0].rstrip("%")) / 100  # the budget every part runs: agreement and decomposition are read there
 # The paper's claim (arXiv 2605.18053): reserving the boundaries recovers 69-90% of reference quality; "most" here:
 # the share of a rule's gain over random that its protected set alone recovers is above one half.
 MOST = 0.5
@@ -398,9 +399,11 @@ def page(parts=PARTS, per_task: int | None = None, how: str = "", n_boot: int = 
               f"{', '.join(f'`{r}`' for r in DECOMPOSED)}. Sample size: {how or 'not computed'}. Sized to about "
               "4 hours of one CPU thread by giving the second model, the decomposition and query-aware one budget "
               "each, and query-aware one model (see `benchmarks/findings.py`).", ""]
+    agreement, splits = agreement_of(rows, n_boot), decompositions(rows, n_boot)
+    lines += _lead_section(rows, agreement, splits)
     lines += _decided_section(rows, per_task * len(TASKS) if per_task else None)
-    lines += _agreement_section(rows, n_boot)
-    lines += _protection_section(rows, n_boot)
+    lines += _agreement_section(agreement, n_boot)
+    lines += _protection_section(splits)
     lines += _cost_section(rows, runs, done)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -423,6 +426,74 @@ def coverage(rows: list[dict]) -> str:
 
 def _model_name(part: Part) -> str:
     return "the embedded Qwen2.5-Coder-0.5B-Instruct" if part.model == EMBEDDED else part.model
+
+
+def agreement_of(rows: list[dict], n_boot: int) -> tuple[list[str], tuple | None]:
+    """(the models with query-agnostic rows, `model_agreement` of the first two at the first budget or None)."""
+    models = sorted({r["model"] for r in rows if r["protocol"] == "query-agnostic"})
+    return models, (model_agreement(rows, tuple(models[:2]), "query-agnostic", FIRST, RULES, n_boot)
+                    if len(models) >= 2 else None)
+
+
+def decompositions(rows: list[dict], n_boot: int) -> dict:
+    """{(rule, metric): `protection`'s result or None} for every decomposed rule and metric at the first budget."""
+    model = next((r["model"] for r in rows if r["rule"].startswith("protectonly:")), None)
+    return {(rule, metric): protection(rows, model, "query-agnostic", FIRST, rule, metric, n_boot) if model else None
+            for rule in DECOMPOSED for metric in METRICS}
+
+
+def _names(rules) -> str:
+    return ", ".join(f"`{r}`" for r in rules)
+
+
+def _lead_section(rows: list[dict], agreement: tuple, splits: dict) -> list[str]:
+    """The answer first: per setting, on answer likelihood (the primary metric), the rule with the highest mean, the
+    rules not separated from it and those separated below it; then the two models' agreement and the protection
+    claim in a line each (their sections below give the numbers)."""
+    out = ["## The answer so far", ""]
+    for (model, protocol, frac), by_rule in sorted(by_setting(rows, LIKELIHOOD).items(), key=str):
+        keys, values = aligned(by_rule, [r for r in by_rule if r.split(":", 1)[0] not in WRAPPERS])
+        if len(values) < 2 or not keys:
+            continue
+        verdicts = decide(values)
+        best = verdicts[0]["a"]  # `decide` orders the rules by mean
+        tied = [v["b"] for v in verdicts if v["a"] == best and not v["separated"]]
+        below = [v["b"] for v in verdicts if v["a"] == best and v["separated"]]
+        out.append(f"- **{model}, {protocol}, {frac:.1%} budget** ({len(values)} rules, {len(keys)} paired "
+                   f"sample{'s' if len(keys) != 1 else ''}): "
+                   f"`{best}` has the highest answer likelihood"
+                   + (f", not separated from {_names(tied)}" if tied else ", separated from every other rule")
+                   + (f"; separated below it: {_names(below)}" if below and tied else "") + "; "
+                   f"{sum(v['separated'] for v in verdicts)} of {len(verdicts)} pairs separated in all.")
+    if len(out) == 2:
+        return out + ["Nothing decided yet: no setting has two rules on common samples.", ""]
+    if agreement[1] is not None:
+        (tau, lo, hi), _, ns = agreement[1]
+        out.append(f"- The two models' rankings at {BUDGETS[0]}: Kendall's tau {tau:+.2f} [{lo:+.2f}, {hi:+.2f}] "
+                   f"({ns[0]} and {ns[1]} samples): " + ("they agree more than chance." if lo > 0 else
+                                                          "agreement is not shown."))
+    claims = {rule: _claim(splits[(rule, LIKELIHOOD)]) for rule in DECOMPOSED}
+    claims = {rule: c for rule, c in claims.items() if c is not None}
+    if claims:
+        out.append("- Protection alone recovering most of a rule's gain over `random` (arXiv 2605.18053), on answer "
+                   "likelihood: " + "; ".join(f"`{r}`: {c}" for r, c in claims.items()) + ".")
+    return out + ["", "Each list in full, with its effects and p values, follows.", ""]
+
+
+def _claim(res) -> str | None:
+    """The protection claim's verdict on one rule's decomposition (`protection`'s result), or None without one."""
+    if res is None:
+        return None
+    share, gain = res["share"], res["gain"]
+    if gain.p >= ALPHA or gain.mean <= 0:
+        return "no gain over random to split"
+    if share.lo is None:
+        return "undecided"
+    if share.lo > MOST:
+        return "holds"
+    if share.hi < MOST:
+        return "fails"
+    return "undecided"
 
 
 def _decided_section(rows: list[dict], planned_n: int | None = None) -> list[str]:
@@ -463,12 +534,9 @@ def _decided_section(rows: list[dict], planned_n: int | None = None) -> list[str
     return out
 
 
-def _agreement_section(rows: list[dict], n_boot: int) -> list[str]:
+def _agreement_section(agreement: tuple, n_boot: int) -> list[str]:
     out = ["## Do the two models rank the rules alike?", ""]
-    models = sorted({r["model"] for r in rows if r["protocol"] == "query-agnostic"})
-    fraction = float(BUDGETS[0].rstrip("%")) / 100
-    result = model_agreement(rows, tuple(models[:2]), "query-agnostic", fraction, RULES, n_boot) \
-        if len(models) >= 2 else None
+    models, result = agreement
     if result is None:
         out += [f"Not measured yet: Kendall's tau needs both models' query-agnostic rows at {BUDGETS[0]} "
                 f"(models with rows: {', '.join(models) or 'none'}).", ""]
@@ -482,7 +550,7 @@ def _agreement_section(rows: list[dict], n_boot: int) -> list[str]:
     return out
 
 
-def _protection_section(rows: list[dict], n_boot: int) -> list[str]:
+def _protection_section(splits: dict) -> list[str]:
     out = ["## Does protection recover most of the gain? (arXiv 2605.18053)", "",
            "For each decomposed rule at the decomposition's budget: the rule, its score alone (`noprotect:`), its "
            "protected set alone with a random score (`protectonly:`) and `random`; the share of the rule's gain "
@@ -491,26 +559,15 @@ def _protection_section(rows: list[dict], n_boot: int) -> list[str]:
            " Not decomposed: " + "; ".join(f"`{r}` {why}" for r, why in UNDECOMPOSABLE.items()) + ".",
            "", "| rule | metric | samples | rule | noprotect | protectonly | random | gain over random | share "
            "recovered by protection | claim |", "|---|---|---|---|---|---|---|---|---|---|"]
-    fraction = float(BUDGETS[0].rstrip("%")) / 100
-    model = next((r["model"] for r in rows if r["rule"].startswith("protectonly:")), None)
     n = 0
     for rule in DECOMPOSED:
         for metric, label in METRICS.items():
-            res = protection(rows, model, "query-agnostic", fraction, rule, metric, n_boot) if model else None
+            res = splits[(rule, metric)]
             if res is None:
                 continue
             n += 1
             m, share, gain = res["means"], res["share"], res["gain"]
-            if gain.p >= ALPHA or gain.mean <= 0:
-                claim = "no gain over random to split"
-            elif share.lo is None:
-                claim = "undecided"
-            elif share.lo > MOST:
-                claim = "holds"
-            elif share.hi < MOST:
-                claim = "fails"
-            else:
-                claim = "undecided"
+            claim = _claim(res)
             out.append(f"| `{rule}` | {label} | {res['n']} | {m[rule]:.3f} | {m[f'noprotect:{rule}']:.3f} | "
                        f"{m[f'protectonly:{rule}']:.3f} | {m[FLOOR]:.3f} | {_fmt_diff(gain)}, p = {gain.p:.3g} | "
                        + (f"{share.value:.2f} [{share.lo:.2f}, {share.hi:.2f}]" if share.lo is not None else

@@ -103,6 +103,8 @@ def test_page_on_a_partial_run_says_partial_and_what_it_decides(out):
     assert "1 of 1 pairs separated" in text and "`snapkv` > `streamingllm`: +1.000" in text
     assert "p (Holm) = 0.00781" in text  # 2/2^8, one pair
     assert "Not measured yet: Kendall's tau" in text and "Not measured yet: the decomposition" in text
+    assert "(2 rules, 8 paired samples): `snapkv` has the highest answer likelihood, separated from every other " \
+           "rule; 1 of 1 pairs separated in all." in text
     assert "1 round of `fxbudget compare` (0 stopped before their end, 0 with nothing left to run; 16 rows in 30.0 " \
            "min of wall time: 32 rows per hour" in text
 
@@ -130,6 +132,12 @@ def test_page_measures_rank_agreement_and_the_protection_claim(out):
     assert "**+1.00** [+1.00, +1.00]" in text and "the rankings agree more than chance" in text
     # the wrappers are not ranked with the rules: 4 rules, 6 pairs, in the decided list
     assert f"**{qwen}, query-agnostic, 12.5% budget, answer log-likelihood per token, 4 rules on 8 samples**" in text
+    # the answer first: the leader per setting, the agreement and the claim in a line each
+    lead = text.split("## The answer so far", 1)[1].split("## What is decided", 1)[0]
+    assert f"- **{qwen}, query-agnostic, 12.5% budget** (4 rules, 8 paired samples): `snapkv` has the highest " \
+           "answer likelihood, separated from every other rule; 6 of 6 pairs separated in all." in lead
+    assert "rankings at 12.5%: Kendall's tau +1.00 [+1.00, +1.00] (8 and 8 samples): they agree more" in lead
+    assert "on answer likelihood: `snapkv`: holds; `h2o`: fails." in lead
     line = next(x for x in text.splitlines() if x.startswith("| `snapkv` | answer log-likelihood"))
     assert "0.80 [0.80, 0.80] | holds |" in line
     line = next(x for x in text.splitlines() if x.startswith("| `h2o` | answer log-likelihood"))
