@@ -394,9 +394,9 @@ def page(parts=PARTS, per_task: int | None = None, how: str = "", n_boot: int = 
     blocked = [f"`{name}`: {why}" for name, why in blocked if why]
     if blocked:
         lines += ["", "Not runnable in this checkout yet: " + "; ".join(blocked) + "."]
-    lines += ["", f"Tasks: {', '.join(f'`{t}`' for t in TASKS)}. Rules: {', '.join(f'`{r}`' for r in RULES)} "
+    lines += ["", f"Tasks: {_names(TASKS)}. Rules: {_names(RULES)} "
               f"(`{FLOOR}`: the floor), `full` the unmodified model. Decomposed: "
-              f"{', '.join(f'`{r}`' for r in DECOMPOSED)}. Sample size: {how or 'not computed'}. Sized to about "
+              f"{_names(DECOMPOSED)}. Sample size: {how or 'not computed'}. Sized to about "
               "4 hours of one CPU thread by giving the second model, the decomposition and query-aware one budget "
               "each, and query-aware one model (see `benchmarks/findings.py`).", ""]
     agreement, splits = agreement_of(rows, n_boot), decompositions(rows, n_boot)
