@@ -42,7 +42,7 @@ def _nested_runner(forward, model, rule, graphs):
     import torch
     from torch import fx
 
-    from fxbudget.compiler.backend import kernel_window
+    from fxbudget.compiler.backend import inductor, kernel_window
     from fxbudget.cache.keyword import NAMES as CACHE_NAMES
     from fxbudget.passes.sdpa import rewrite
     from fxbudget.compiler.regions import LayerCacheView, whole_model_forward
@@ -54,9 +54,7 @@ def _nested_runner(forward, model, rule, graphs):
         for sub in subs.values():  # one subgraph module shared by the layers' invoke_subgraph calls
             rewrite(sub, rule, kernel_window(rule), get("window"))
             graphs.append(sub)
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(gm, example_inputs, config_patches={"reorder_for_locality": False})
+        return inductor(gm, example_inputs)
 
     region = torch.compiler.nested_compile_region(
         lambda layer, name, view, *args, **kwargs: type(layer).forward(layer, *args, **{name: view}, **kwargs))

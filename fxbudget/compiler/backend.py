@@ -31,6 +31,18 @@ def kernel_window(rule: Rule) -> int:
     return window
 
 
+def inductor(gm: fx.GraphModule, example_inputs, cudagraphs: bool = False):
+    """Inductor on a rewritten graph, with the settings every fxbudget compile uses."""
+    from torch._inductor.compile_fx import compile_fx
+
+    # Locality reordering would move the attention-output matmul after the slot write-back, which then cannot
+    # be done in place (a full copy of the K/V cache per call); the kernel's own op order is already good.
+    patches = {"reorder_for_locality": False}
+    if cudagraphs:
+        patches["triton.cudagraphs"] = True
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
 def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
                  on_graph: Callable[[fx.GraphModule], None] | None = None, cudagraphs: bool = False,
                  block: int | None = DEFAULT_BLOCK, observation_window: int | None = None, budget_ints: bool = True,
@@ -76,14 +88,7 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
             from torch._dynamo.backends.debugging import aot_eager
 
             return aot_eager(gm, example_inputs)
-        from torch._inductor.compile_fx import compile_fx
-
-        # Locality reordering would move the attention-output matmul after the slot write-back, which then cannot
-        # be done in place (a full copy of the K/V cache per call); the kernel's own op order is already good.
-        patches = {"reorder_for_locality": False}
-        if cudagraphs:
-            patches["triton.cudagraphs"] = True
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return inductor(gm, example_inputs, cudagraphs=cudagraphs)
 
     fxbudget_backend.rule, fxbudget_backend.window = rule, window
     return fxbudget_backend

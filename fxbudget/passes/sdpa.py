@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -300,9 +301,12 @@ def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: 
 
 
 def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule,
-            block: int | None = DEFAULT_BLOCK, budget_ints: bool = True) -> RewriteReport:
+            block: int | None = DEFAULT_BLOCK, budget_ints: bool = True,
+            layer_rules: Mapping[int, Rule] | None = None) -> RewriteReport:
     """Replace every marker-fed SDPA node of `gm` in place; returns what was rewritten and what was left alone.
-    `budget_ints`: mark the kernel's budget-derived ints for `graph_fingerprint` (`trace_kernel`)."""
+    `budget_ints`: mark the kernel's budget-derived ints for `graph_fingerprint` (`trace_kernel`).
+    `layer_rules`: a rule per cache layer index in place of `rule` (sliding layers keep `sliding_rule`): the tests
+    build every rule's layer into one graph, so Inductor compiles them once, not once per rule."""
     report = RewriteReport()
     untouched: list[fx.Node] = []
     traces: dict[tuple, KernelTrace] = {}  # layers of one model share shapes: trace once per configuration
@@ -318,10 +322,11 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule,
         graph_in = {**dict(zip(MARKER_TENSORS, marker.args)), "q": args["query"]}
         layer, budget, keep, sliding, pooled, empty = marker.args[len(MARKER_TENSORS):]
         ev = {name: _example(n) for name, n in graph_in.items()}
+        layer_rule = sliding_rule if sliding else (layer_rules or {}).get(layer, rule)
         key = (tuple((k, tuple(v.shape), tuple(v.stride()), v.dtype, v.device) for k, v in ev.items()),
-               budget, keep, sliding, scale, pooled, empty)
+               budget, keep, sliding, scale, pooled, empty, id(layer_rule))
         if key not in traces:
-            traces[key] = trace_kernel(ev, sliding_rule if sliding else rule, budget=budget, keep=keep,
+            traces[key] = trace_kernel(ev, layer_rule, budget=budget, keep=keep,
                                        sliding=sliding, window=window, scale=scale, block=block, pooled=pooled,
                                        budget_ints=budget_ints, empty=empty)
         kt = traces[key]
