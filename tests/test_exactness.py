@@ -15,6 +15,23 @@ STEPS = 20
 COVERING = 64  # a budget covering the 24 + STEPS tokens of every run below, the same for every rule
 
 
+def _one_per_setup(rules: list[str]) -> list[str]:
+    """The first rule (by name) of each way a rule changes what runs besides its score: the rotary inverse it needs,
+    the output projection it needs, per-layer budgets, its own observation window, never evicting. At a covering
+    budget the score selects nothing, so these are the rule-dependent parts of a covering run."""
+    from fxbudget.rules.base import Rule
+
+    def setup(name):
+        r = fxbudget.rules.get(name)
+        return (r.needs_rope, r.needs_wo, type(r).layer_budgets is not Rule.layer_budgets, r.window is not None,
+                r.never_evicts)
+
+    first: dict[tuple, str] = {}
+    for name in sorted(rules):
+        first.setdefault(setup(name), name)
+    return sorted(first.values())
+
+
 def _check_exact(arch: str, rule: str, backend, layers: int = 2, batch: int = 1, chunk_size=None, block=None):
     model = tiny_model(arch, layers=layers)
     torch.manual_seed(1)
@@ -61,18 +78,25 @@ def test_pyramidkv_covering_budget_on_two_layers(arch, backend):
                                                       for i in range(2))
 
 
-@pytest.mark.parametrize("rule", RULES)
+# The compiled covering runs below take one rule per setup (`_one_per_setup`) or kind of signal, not every rule: only
+# the rule region differs between rules (test_graph.py's fingerprint test proves the rest equal), and at a covering
+# budget its score selects nothing. Every rule runs this test eagerly above, its region is compiled by Inductor with
+# eviction in test_eviction.py::test_inductor_layer_evicts_like_eager, and its whole model evicts alike under
+# aot_eager and eagerly in test_eviction.py::test_aot_eager_equals_eager.
+@pytest.mark.parametrize("rule", _one_per_setup(RULES))
 def test_full_budget_reproduces_model_aot_eager_gemma3(rule):
     # The graph pass on a model with sliding-window layers (cheap: no Inductor); blocks of 8 queries: the 24-token
     # prefill runs the traced scan over query blocks (the automatic block would take all 24 at once).
     _check_exact("gemma3", rule, backend="aot_eager", block=8)
 
 
+def test_one_per_setup_keeps_each_setup():
+    assert _one_per_setup(["snapkv", "knorm", "h2o", "pyramidkv", "expected_attention", "criticalkv", "full"]) == [
+        "criticalkv", "expected_attention", "full", "h2o", "pyramidkv", "snapkv"]
+
+
 # Inductor on the whole model for one rule per kind of signal (snapkv: the observation window's attention; knorm: a
-# per-token signal cached with the entry), not for every rule: only the rule region differs between rules
-# (test_graph.py's fingerprint test proves the rest equal), and at a covering budget its score selects nothing. Every
-# rule's region is compiled by Inductor with eviction in test_eviction.py::test_inductor_layer_evicts_like_eager, and
-# runs this test eagerly and under aot_eager above. The head-pooled layout under Inductor: test_adakv.py.
+# per-token signal cached with the entry). The head-pooled layout under Inductor: test_adakv.py.
 @pytest.mark.inductor
 @pytest.mark.parametrize("rule", ["snapkv", "knorm"])
 def test_full_budget_reproduces_model_inductor(rule):
