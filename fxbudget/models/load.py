@@ -20,6 +20,7 @@ directory. Every later call loads that checkpoint in about a second.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import importlib.metadata
@@ -137,9 +138,37 @@ def _assemble_gguf(dest: Path, progress: bool, model: EmbeddedModel = DEFAULT) -
 
 
 def _convert(target: Path, progress: bool, model: EmbeddedModel = DEFAULT) -> None:
-    """Build the safetensors checkpoint at ``target`` from the GGUF parts."""
-    entry = model
+    """Build the safetensors checkpoint at ``target`` from the GGUF parts (once: a process that finds another one
+    converting waits for it, then reads its result)."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    with _conversion_lock(target, progress, model):
+        if not _is_cached(target):
+            _convert_unlocked(target, progress, model)
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path, progress: bool, model: EmbeddedModel):
+    """An exclusive lock beside ``target`` (POSIX `flock`; released by the OS if the holder is killed), so that
+    processes starting together (test workers, Ray workers) convert once, not once each."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock; concurrent conversions stay correct (the atomic rename), only slower
+        yield
+        return
+    with open(target.parent / f".{target.name}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log(progress, f"waiting for another process converting {model.name} into {target}")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _convert_unlocked(target: Path, progress: bool, model: EmbeddedModel) -> None:
+    entry = model
     # Stage next to the target so the final rename stays on one filesystem
     # (atomic), and so a killed run leaves only a ".tmp-*" dir, never a half cache.
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
