@@ -315,8 +315,9 @@ def retarget(gm: torch.fx.GraphModule, device: str = "cuda:0") -> torch.fx.Graph
 
 def lower(gm: torch.fx.GraphModule, specs, *, sm: int, cubins: bool = True) -> Lowered:
     """Lower `gm` (traced on CPU; `specs` its placeholders' example tensors) for an sm_`sm` CUDA device: retargeted
-    to `cuda:0`, its inputs fake CUDA tensors of the same shapes, strides and dtypes, then `compile_fx`."""
-    from torch._inductor.compile_fx import compile_fx
+    to `cuda:0`, its inputs fake CUDA tensors of the same shapes, strides and dtypes, then Inductor with the settings
+    every fxbudget compile uses (`backend.inductor`)."""
+    from fxbudget.compiler.backend import inductor
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -327,7 +328,7 @@ def lower(gm: torch.fx.GraphModule, specs, *, sm: int, cubins: bool = True) -> L
             inputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
                       if isinstance(t, torch.Tensor) else t for t in specs]
         with torch.no_grad():
-            compile_fx(gm, inputs)
+            inductor(gm, inputs)
     if not seen["source"]:
         raise FakeCudaError("compile_fx wrote no output code (was it read from a cache?)")
     code = "\n".join(seen["source"])
