@@ -555,7 +555,7 @@ def _protection_section(splits: dict) -> list[str]:
            "For each decomposed rule at the decomposition's budget: the rule, its score alone (`noprotect:`), its "
            "protected set alone with a random score (`protectonly:`) and `random`; the share of the rule's gain "
            "over `random` that `protectonly:` recovers, `(protectonly - random) / (rule - random)`, with a paired "
-           f"bootstrap interval. The claim holds here when that interval lies above {MOST:.0%}, fails when below.",
+           f"bootstrap interval. The claim holds here when that interval lies above {MOST:.0%}, fails when below."
            " Not decomposed: " + "; ".join(f"`{r}` {why}" for r, why in UNDECOMPOSABLE.items()) + ".",
            "", "| rule | metric | samples | rule | noprotect | protectonly | random | gain over random | share "
            "recovered by protection | claim |", "|---|---|---|---|---|---|---|---|---|---|"]
