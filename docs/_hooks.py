@@ -4,6 +4,7 @@ the `Signals` table of "Your own rule" is filled from the code (`docs/_signals.p
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -26,9 +27,12 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    """In a page of `docs/`, `../benchmarks/` is `benchmarks/` of the site (the folder added by `on_files`)."""
+    """In a page of `docs/`, `../benchmarks/` is `benchmarks/` of the site (the folder added by `on_files`); in a page
+    of `benchmarks/`, `../docs/` is the site's root."""
     if "/" not in page.file.src_uri:
         markdown = markdown.replace(f"](../{SHARED}/", f"]({SHARED}/")
+    elif page.file.src_uri.startswith(f"{SHARED}/"):  # and back: `docs/` of the repository is the site's root
+        markdown = re.sub(r"\]\(((?:\.\./)+)docs/", r"](\1", markdown)
     if page.file.src_uri == "rule.md":
         markdown = _signals.fill(markdown)  # the table from the code, even if the committed copy were stale
     return markdown
