@@ -11,11 +11,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import Block, loop_blocks
 from .block_scan import scan_blocks
-from .settings import DEFAULT_BLOCK, auto_block
+from .flex_measure import flex_attend
+from .settings import DEFAULT_BLOCK, DEFAULT_MEASURE, auto_block, measure_form
 from .signals import TOKEN_SIGNALS, check_left_padded, window_max
 from .state import SIGNAL_NAMES, TOTALED, LayerConstants, LayerSlots, NewTokens
 
@@ -23,6 +25,7 @@ from .state import SIGNAL_NAMES, TOTALED, LayerConstants, LayerSlots, NewTokens
 def measure(
     q: Tensor, slots: LayerSlots, new: NewTokens, const: LayerConstants, *, window: int, sliding: int,
     scale: float | None, block: int | None = DEFAULT_BLOCK, traced: bool = False, empty: bool = False,
+    form: str = DEFAULT_MEASURE,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """The attention output `[batch, q_heads, n, head_dim]`, the `TOTALED` signals' totals `[batch, kv_heads, 9]`,
     and every signal (`state.SIGNAL_NAMES`, a dict in that order).
@@ -36,6 +39,9 @@ def measure(
     query blocks folded in pairs over exactly the causal triangle, `key_scan.fold_scan`; a sliding layer's band).
     `empty` (the marker's: the cache held nothing before the call) skips the slots, which would add exact zeros;
     eagerly, the positions say so anyway (and must agree).
+    `form` (`settings.measure_form`): "flex" computes the output and `attn` with two fused `flex_attention` calls
+    and the window signals from the last `w` queries' block (`flex_measure`), for a call of more than `w` queries;
+    "blocks" is the above. The signals are the same either way.
     """
     k_slots, v_slots, pos_slots = slots.keys, slots.values, slots.pos
     k_new, v_new, new_pos = new.keys, new.values, new.pos
@@ -74,7 +80,10 @@ def measure(
     blk = Block(kv[0], kv[1], slot_pos[..., :live], kv[2], kv[3], qpos.unsqueeze(1), scale, sliding, acc)
     queries_acc = queries.to(acc)
     R = min(block or auto_block(b * q.shape[1], n, q.device), n)
-    if n <= R:  # one block (a decode step, a prefill chunk): the window max from its softmax
+    if n > w and measure_form(form, q.device) == "flex":  # a call of <= w queries is its own window block
+        out, sig_s, sig_n, win_max = _flex(blk, q, queries_acc, k_slots[:, :, :live], v_slots[:, :, :live], k_new,
+                                           v_new, qpos, weights, w, scale, sliding)
+    elif n <= R:  # one block (a decode step, a prefill chunk): the window max from its softmax
         out, sig_s, sig_n, max_s, max_n = blk(queries_acc, qpos, weights, 0, n, win=(n - w, n))
         win_max = torch.cat([max_s, max_n], dim=-1)
     elif traced:
@@ -97,6 +106,22 @@ def measure(
                  v_slots=v_slots, v_new=v_new, window_max_attn=win_max, **token)
     signals = {name: found[name] for name in SIGNAL_NAMES}  # a `Signals` field measured nowhere fails here
     return out, signal_totals(signals), signals
+
+
+def _flex(blk: Block, q, queries_acc, k_slots, v_slots, k_new, v_new, qpos, weights, w: int, scale: float,
+          sliding: int):
+    """The flex form (`flex_measure`): the output and `attn` fused, the window signals from one `Block` over the
+    last `w` queries. Returns what the block forms return: out, sums over slots and new tokens, the window max."""
+    b, h, S = blk.slot_pos.shape
+    n = qpos.shape[1]
+    out, attn = flex_attend(q, k_slots, v_slots, blk.slot_pos, k_new, v_new, qpos, scale=scale, sliding=sliding)
+    g = queries_acc.shape[2] // n
+    q_w = queries_acc.view(b, h, g, n, -1)[:, :, :, n - w:].reshape(b, h, g * w, -1)
+    c0 = max(0, n - w - sliding + 1) if sliding else 0  # new tokens before c0 are outside every window query's band
+    _, s_s, s_n, m_s, m_n = blk(q_w, qpos[:, n - w:], weights[..., n - w:], c0, n, win=(0, w))
+    sig_s = torch.cat([attn[:, :, None, :S].to(s_s.dtype), s_s[:, :, 1:]], dim=2)
+    sig_n = torch.cat([attn[:, :, None, S:].to(s_n.dtype), F.pad(s_n[:, :, 1:], (c0, 0))], dim=2)
+    return out, sig_s, sig_n, torch.cat([m_s, F.pad(m_n, (c0, 0))], dim=-1)
 
 
 def signal_totals(signals: dict[str, Tensor]) -> Tensor:

@@ -15,17 +15,18 @@ from ..rules.base import Rule
 from .layouts import Layout, layout
 from .measure import measure
 from .rule_region import rule_region
-from .settings import DEFAULT_BLOCK, DEFAULT_WINDOW, check_block
+from .settings import DEFAULT_BLOCK, DEFAULT_MEASURE, DEFAULT_WINDOW, check_block, check_measure
 from .signals import unknown_wo
 from .state import LayerConstants, LayerSlots, NewTokens
 
 
 def measure_phase(lay: Layout, q: Tensor, slots: LayerSlots, new: NewTokens, const: LayerConstants, *,
                   window: int, sliding: int, scale: float | None, block: int | None, traced: bool = False,
-                  empty: bool = False):
-    """Phase 1: `measure` over the slots as the layout hands them. Returns `(out, totals, signals)`."""
+                  empty: bool = False, form: str = DEFAULT_MEASURE):
+    """Phase 1: `measure` over the slots as the layout hands them, in `form` (`settings.measure_form`). Returns
+    `(out, totals, signals)`."""
     return measure(q, lay.view(slots), new, const, window=window, sliding=sliding, scale=scale, block=block,
-                   traced=traced, empty=empty)
+                   traced=traced, empty=empty, form=form)
 
 
 def rule_phase(lay: Layout, rule: Rule, budget: int, window: int, signals: dict[str, Tensor]) -> Tensor:
@@ -47,11 +48,12 @@ def select(lay: Layout, rule: Rule, signals: dict[str, Tensor], totals: Tensor, 
 
 def attend(q: Tensor, slots: LayerSlots, new: NewTokens, const: LayerConstants, *, rule: Rule, budget: int,
            keep: int, pooled: bool = False, sliding: int = 0, window: int = DEFAULT_WINDOW,
-           scale: float | None = None, block: int | None = DEFAULT_BLOCK, empty: bool = False) -> Tensor:
+           scale: float | None = None, block: int | None = DEFAULT_BLOCK, empty: bool = False,
+           measure: str = DEFAULT_MEASURE) -> Tensor:
     """The three phases in order, eagerly; returns the attention output and updates `slots` in place."""
     lay = layout(pooled)
     out, totals, signals = measure_phase(lay, q, slots, new, const, window=window, sliding=sliding, scale=scale,
-                                         block=block, empty=empty)
+                                         block=block, empty=empty, form=measure)
     select(lay, rule, signals, totals, slots, new, budget=budget, keep=keep, window=window)
     return out
 
@@ -62,6 +64,7 @@ def budget_attention(
     owner: Tensor | None = None, *,
     rule: Rule, budget: int, keep: int | None = None, sliding: int = 0, window: int = DEFAULT_WINDOW,
     scale: float | None = None, block: int | None = DEFAULT_BLOCK, pooled: bool = False,
+    measure: str = DEFAULT_MEASURE,
 ) -> Tensor:
     """`attend` on loose tensors (tests, benchmarks, a cache of one's own); updates the slot tensors in place.
 
@@ -80,6 +83,8 @@ def budget_attention(
         sliding: sliding-window size for sliding layers, 0 for full attention.
         window: observation window for `window_attn`. scale: softmax scale (None = 1/sqrt(head_dim)).
         block: queries per block of the measure phase (memory is O(block x candidates)).
+        measure: the measure phase's form: "auto" (the default: "flex" on CUDA/ROCm, "blocks" elsewhere), "blocks"
+            or "flex" (`settings.measure_form`; the same signals either way).
         pooled: the head-pooled layout (`layouts.HeadPool`): the `kv_heads x S` slots of a row are one pool, spread
             over the heads by the allocation step (`rule.head_floor(budget)`).
 
@@ -87,6 +92,7 @@ def budget_attention(
         The attention output `[batch, q_heads, n, head_dim]`, exact over the visible candidates.
     """
     check_block(block)
+    check_measure(measure)
     if pooled and owner is None:
         raise ValueError("budget_attention(pooled=True) needs the slots' owner tensor")
     if owner is None:
@@ -101,4 +107,4 @@ def budget_attention(
     return attend(q, LayerSlots(k_slots, v_slots, pos_slots, state, norms, totals, owner),
                   NewTokens(k_new, v_new, new_pos), LayerConstants(inv_freq, wo), rule=rule, budget=budget,
                   keep=budget if keep is None else keep, pooled=pooled, sliding=sliding, window=window, scale=scale,
-                  block=block)
+                  block=block, measure=measure)

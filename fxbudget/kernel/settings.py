@@ -1,4 +1,5 @@
-"""The kernel's settings shared by every rule of a run: the observation window and the query block."""
+"""The kernel's settings shared by every rule of a run: the observation window, the query block and the measure
+phase's form."""
 
 from __future__ import annotations
 
@@ -28,3 +29,25 @@ def check_block(block) -> None:
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 2):
         raise ValueError(f"block must be None (automatic) or an int >= 2 (queries per block of the measure phase), "
                          f"got {block!r}")
+
+
+# The measure phase's form (`measure.measure`), a kernel setting shared by every rule of a run: "blocks" (query blocks
+# against every candidate, `attention.Block`: the fastest exact form on a CPU), "flex" (two fused `flex_attention`
+# calls and a window block, `flex_measure`: no n x C scores, for GPUs), or "auto": "flex" where the queries are on a
+# CUDA device (ROCm builds report "cuda" too), "blocks" elsewhere. Both forms give the same signals (exact within
+# float rounding), so a rule cannot tell; each form has its own kernel fingerprint. docs/gpu.md.
+MEASURE_FORMS = ("auto", "blocks", "flex")
+DEFAULT_MEASURE = "auto"
+
+
+def check_measure(form) -> None:
+    if form not in MEASURE_FORMS:
+        raise ValueError(f"measure must be one of {MEASURE_FORMS} (the kernel's measure phase), got {form!r}")
+
+
+def measure_form(form: str, device: torch.device) -> str:
+    """The form a call runs: `form`, with "auto" resolved by the queries' device."""
+    check_measure(form)
+    if form == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "blocks"
+    return form
