@@ -17,6 +17,8 @@ from .fairness.fingerprint import captured_graphs as _captured_graphs  # noqa: F
 from .fairness.fingerprint import graph_fingerprint, inspect, kernel_fingerprint  # noqa: F401  (re-export)
 from .compiler.forward import ATTN_IMPLEMENTATION, BudgetForward, frozen_runner  # noqa: F401  (re-export)
 from .kernel import DEFAULT_BLOCK, check_block
+from .kernel.flex_measure import CPU_INDUCTOR
+from .kernel.settings import check_measure
 from .cache.rope import rope_refusal_for
 from .cache.for_model import (  # noqa: F401  (re-export)
     check_rule_budget, layer_devices, model_cache, output_projections, resolve_head_pool)
@@ -54,7 +56,8 @@ def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: in
 
 def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *, chunk_size: int | None = None,
             backend: str | None = "inductor", headroom: int = 0, block: int | None = DEFAULT_BLOCK,
-            cudagraphs: bool = False, head_pool: bool | None = None, interval: int = 1, **rule_params) -> nn.Module:
+            cudagraphs: bool = False, head_pool: bool | None = None, interval: int = 1, measure: str = "auto",
+            **rule_params) -> nn.Module:
     """Run `model` with a KV cache of at most `budget` entries per layer and KV head, evicting with `rule`.
 
     The model is modified in place (its `forward` is wrapped) and returned; `model.forward.restore()` undoes it.
@@ -77,6 +80,11 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
         block: queries per block in the kernel's measure phase: a call's attention temporaries are
             O(block x candidates) whatever its length (a kernel setting: compare rules at one value; a call shorter
             than `block` is one block).
+        measure: the form of the kernel's measure phase (a kernel setting, like `block`): "auto" (default) runs
+            "flex" where the queries are on a CUDA/ROCm device and "blocks" elsewhere; "blocks" computes query blocks
+            against every candidate (the fastest exact form on a CPU); "flex" takes the output and each candidate's
+            attention from two fused `flex_attention` calls, with no n x candidates scores (GPUs; eager or
+            aot_eager on a CPU, not Inductor there). The same signals either way (docs/gpu.md).
         cudagraphs: with backend "inductor" on CUDA, replay the compiled graphs as CUDA graphs. The cache's tensors
             are marked static before the first compiled call, and generate()'s cache is reused across calls (see
             `BudgetForward`); each decoder layer's region is recorded once per layer and shape (the layers share
@@ -106,6 +114,9 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
     check_int("headroom", headroom, 0)
     check_int("interval", interval, 1)
     check_block(block)
+    check_measure(measure)
+    if measure == "flex" and backend == "inductor" and next(model.parameters()).device.type == "cpu":
+        raise NotImplementedError(CPU_INDUCTOR)
     rope_refused = rope_refusal_for(model) if rule_obj.needs_rope and getattr(model, "config", None) is not None \
         else None
     if rope_refused:
@@ -116,4 +127,5 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
         raise ValueError(f"rule {rule_obj.name!r} needs each attention layer's output projection (W_o), and fxbudget "
                          "cannot find it in this model (attention modules with a layer_idx and a linear o_proj)")
     return BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend, headroom=headroom,
-                         block=block, cudagraphs=cudagraphs, head_pool=head_pool, interval=interval).install()
+                         block=block, cudagraphs=cudagraphs, head_pool=head_pool, interval=interval,
+                         measure=measure).install()

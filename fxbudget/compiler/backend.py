@@ -8,6 +8,7 @@ import torch
 from torch import fx
 
 from ..kernel import DEFAULT_BLOCK, DEFAULT_WINDOW
+from ..kernel.flex_measure import check_backend
 from ..kernel.marker import NoBudgetAttentionError
 from ..passes.sdpa import rewrite
 from ..rules import Rule, get
@@ -46,6 +47,7 @@ def inductor(gm: fx.GraphModule, example_inputs, cudagraphs: bool = False):
 def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
                  on_graph: Callable[[fx.GraphModule], None] | None = None, cudagraphs: bool = False,
                  block: int | None = DEFAULT_BLOCK, observation_window: int | None = None, budget_ints: bool = True,
+                 measure: str = "auto",
                  **rule_params):
     """A Dynamo backend that rewrites SDPA for `rule` and compiles with `inner`.
 
@@ -57,6 +59,7 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
             are mutated in place, so mark them with `torch._dynamo.mark_static_address` first, or Inductor skips
             CUDA graphs for the graph.
         block: queries per block of the kernel's measure phase (a kernel setting: one value per comparison).
+        measure: the measure phase's form, "auto", "blocks" or "flex" (`kernel.settings.measure_form`).
         observation_window: the kernel's observation window (default: the rule's, `kernel_window(rule)`); not
             `window=`, which stays a rule parameter (snapkv's window).
         budget_ints: mark the budget-derived ints of each kernel for `graph_fingerprint` (a second trace of the
@@ -73,7 +76,8 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
     sliding_rule = get("window")
 
     def fxbudget_backend(gm: fx.GraphModule, example_inputs, **kwargs):
-        report = rewrite(gm, rule, window, sliding_rule, block, budget_ints=budget_ints)
+        report = rewrite(gm, rule, window, sliding_rule, block, budget_ints=budget_ints, measure=measure)
+        check_backend(gm, inner)  # the flex form under Inductor on a CPU: refused by name
         gm.meta[REWRITE_KEY] = report  # what `fxbudget inspect` summarizes
         if not report.rewritten:
             raise NoBudgetAttentionError(

@@ -62,10 +62,11 @@ class BudgetForward:
 
     def __init__(self, model: nn.Module, rule: Rule, budget: int, *, chunk_size: int | None,
                  backend: str | None, headroom: int, block: int | None = DEFAULT_BLOCK, cudagraphs: bool = False,
-                 head_pool: bool | None = None, interval: int = 1):
+                 head_pool: bool | None = None, interval: int = 1, measure: str = "auto"):
         """Build the forward of `model` (not yet installed: see `install`); the compiled graphs live here, so a
         forward installed, restored and installed again keeps them."""
         self.model, self.rule, self.budget, self.block = model, rule, budget, block
+        self.measure = measure  # the measure phase's form (`kernel.settings.measure_form`)
         self.head_pool = resolve_head_pool(rule, head_pool)  # the cache layout of every cache this forward uses
         self.chunk_size, self.backend, self.headroom, self.cudagraphs = chunk_size, backend, headroom, cudagraphs
         self.interval = interval  # decode steps between evictions in the caches this forward creates (`new_cache`)
@@ -88,7 +89,7 @@ class BudgetForward:
         else:
             self._runner = compiled_forward(model, self.original, make_backend(
                 rule, inner=backend, on_graph=self.graphs.append, block=block, cudagraphs=cudagraphs,
-                budget_ints=False))  # compiled, never hashed (kernel_fingerprint traces its own)
+                budget_ints=False, measure=measure))  # compiled, never hashed (kernel_fingerprint traces its own)
             self._run = self._run_compiled
 
     def install(self) -> nn.Module:
@@ -189,7 +190,8 @@ class BudgetForward:
             return self._frozen_runner
         if self._growth_runner is None:
             self._growth_runner = frozen_runner(self.model, self.backend, self.window, block=self.block,
-                                                cudagraphs=self.cudagraphs, on_graph=self.graphs.append)
+                                                cudagraphs=self.cudagraphs, on_graph=self.graphs.append,
+                                                measure=self.measure)
         return self._growth_runner
 
     def _run_eager(self, *args, **kwargs):
@@ -198,7 +200,7 @@ class BudgetForward:
         # nothing the rule chooses (see `_grown_runner`), so the rule's scoring is skipped, as compiled.
         grown = cache is not None and not cache.evicting and not cache._frozen
         rule = self._sliding_rule if grown else self.rule
-        with BudgetAttentionMode(rule, self.window, self._sliding_rule, self.block) as mode:
+        with BudgetAttentionMode(rule, self.window, self._sliding_rule, self.block, self.measure) as mode:
             out = self.original(*args, **kwargs)
         if mode.pending:  # the same failure the graph pass reports when it finds no SDPA to rewrite
             raise NoBudgetAttentionError(
@@ -352,14 +354,14 @@ class BudgetForward:
 
 
 def frozen_runner(model: nn.Module, backend: str, window: int, *, block: int | None = DEFAULT_BLOCK,
-                  cudagraphs: bool = False, on_graph: Callable[[fx.GraphModule], None] | None = None
-                  ) -> Callable[..., Any]:
+                  cudagraphs: bool = False, on_graph: Callable[[fx.GraphModule], None] | None = None,
+                  measure: str = "auto") -> Callable[..., Any]:
     """A compiled runner of `model` for frozen calls, to share between forwards (`BudgetForward.share_frozen`).
 
     Args:
         model: the model (if compiled by fxbudget at the time of the call, its original forward is used).
         backend: "inductor", "aot_eager" or "eager". window: the observation window of the forwards that share it
-            (the signal totals stored in the cache depend on it). block, cudagraphs: as for `compile`.
+            (the signal totals stored in the cache depend on it). block, cudagraphs, measure: as for `compile`.
         on_graph: called with each rewritten graph it compiles.
     Returns:
         A callable like `BudgetForward`'s compiled runner. Its graphs carry the `window` rule's scoring ops: in a
@@ -368,4 +370,4 @@ def frozen_runner(model: nn.Module, backend: str, window: int, *, block: int | N
     forward = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
     return compiled_forward(model, forward, make_backend("window", inner=backend, on_graph=on_graph, block=block,
                                                          cudagraphs=cudagraphs, observation_window=window,
-                                                         budget_ints=False))
+                                                         budget_ints=False, measure=measure))

@@ -175,7 +175,8 @@ def check_backend(gm: torch.fx.GraphModule, inner: str) -> None:
         if node.target is hop:
             val = node.args[0].meta.get("val", node.args[0].meta.get("example_value"))
             if val is not None and val.device.type == "cpu":
-                raise NotImplementedError(
-                    "fxbudget: measure_form='flex' cannot compile with Inductor on a CPU (torch's CPU flex_attention "
-                    "returns no log-sum-exp under Inductor); use measure_form='blocks' (the CPU default) or "
-                    "backend='aot_eager'")
+                raise NotImplementedError(CPU_INDUCTOR)
+
+
+CPU_INDUCTOR = ("fxbudget: measure='flex' cannot compile with Inductor on a CPU (torch's CPU flex_attention returns "
+                "no log-sum-exp under Inductor); use measure='blocks' (the CPU default) or backend='aot_eager'")

@@ -41,9 +41,11 @@ def require_interceptor() -> "BudgetAttentionMode":
 class BudgetAttentionMode(TorchFunctionMode):
     """Replace SDPA over a BudgetCache's candidates with the kernel (`kernel.attend`), eagerly."""
 
-    def __init__(self, rule: Rule, window: int, sliding_rule: Rule, block: int | None = DEFAULT_BLOCK):
+    def __init__(self, rule: Rule, window: int, sliding_rule: Rule, block: int | None = DEFAULT_BLOCK,
+                 measure: str = "auto"):
         super().__init__()
         self.rule, self.window, self.sliding_rule, self.block = rule, window, sliding_rule, block
+        self.measure = measure  # the measure phase's form (`kernel.settings.measure_form`)
         self.pending: dict[int, int] = {}  # marker calls not (yet) consumed by an SDPA call: id -> layer
 
     def __enter__(self):
@@ -120,4 +122,5 @@ def run_kernel(query, call, scale, cfg: BudgetAttentionMode):
     rule = cfg.sliding_rule if call.sliding else cfg.rule
     slots, new, const = from_marker(call.tensors)
     return attend(query, slots, new, const, rule=rule, budget=call.budget, keep=call.keep, pooled=call.pooled,
-                  sliding=call.sliding, window=cfg.window, scale=scale, block=cfg.block, empty=call.empty)
+                  sliding=call.sliding, window=cfg.window, scale=scale, block=cfg.block, empty=call.empty,
+                  measure=cfg.measure)

@@ -246,11 +246,11 @@ def _check_pure(gm: fx.GraphModule, rule: Rule) -> None:
 
 def _trace_phases(fake: dict, rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
                   scale: float | None, block: int, mode: FakeTensorMode, pooled: bool = False,
-                  empty: bool = False) -> KernelTrace:
+                  empty: bool = False, measure: str = "auto") -> KernelTrace:
     lay = layout(pooled)
     q, (slots, new, const) = fake["q"], from_marker([fake[a] for a in MARKER_TENSORS])
     phase1 = functools.partial(measure_phase, lay, window=window, sliding=sliding, scale=scale, block=block,
-                               traced=True, empty=empty)
+                               traced=True, empty=empty, form=measure)
     # Pooled, the allocation step is part of the rule region (so uniform and adaptive runs share one fingerprint).
     phase2 = functools.partial(rule_phase, lay, rule, budget, window)
     phase3 = functools.partial(evict_phase, lay, keep=keep)
@@ -274,7 +274,7 @@ _SLOT_TENSORS = ("keys", "values", "pos", "state", "norms", "owner")  # slot dim
 
 def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: int, sliding: int, window: int,
                  scale: float | None, block: int | None = DEFAULT_BLOCK, pooled: bool = False,
-                 budget_ints: bool = True, empty: bool = False) -> KernelTrace:
+                 budget_ints: bool = True, empty: bool = False, measure: str = "auto") -> KernelTrace:
     """Trace `measure`, `rule_region` and `evict` on fake tensors shaped like the example values `ev`.
 
     With `budget_ints`, `measure` and `evict` are traced a second time with one more slot and `keep + 1`, to find
@@ -288,12 +288,12 @@ def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: 
                 for k, v in ev.items()}
         grown = {k: _grown(v, 2) if k in _SLOT_TENSORS else v for k, v in fake.items()}
     kt = _trace_phases(fake, rule, budget=budget, keep=keep, sliding=sliding, window=window, scale=scale,
-                       block=block, mode=mode, pooled=pooled, empty=empty)
+                       block=block, mode=mode, pooled=pooled, empty=empty, measure=measure)
     _check_pure(kt.rule, rule)
     if not budget_ints:
         return kt
     big = _trace_phases(grown, rule, budget=budget + 1, keep=keep + 1, sliding=sliding, window=window, scale=scale,
-                        block=block, mode=mode, pooled=pooled, empty=empty)
+                        block=block, mode=mode, pooled=pooled, empty=empty, measure=measure)
     slots = ev["keys"].shape[2]
     _mark_budget_ints(kt.measure, big.measure, slots)
     _mark_budget_ints(kt.evict, big.evict, slots)
@@ -302,11 +302,12 @@ def trace_kernel(ev: dict[str, torch.Tensor], rule: Rule, *, budget: int, keep: 
 
 def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule,
             block: int | None = DEFAULT_BLOCK, budget_ints: bool = True,
-            layer_rules: Mapping[int, Rule] | None = None) -> RewriteReport:
+            layer_rules: Mapping[int, Rule] | None = None, measure: str = "auto") -> RewriteReport:
     """Replace every marker-fed SDPA node of `gm` in place; returns what was rewritten and what was left alone.
     `budget_ints`: mark the kernel's budget-derived ints for `graph_fingerprint` (`trace_kernel`).
     `layer_rules`: a rule per cache layer index in place of `rule` (sliding layers keep `sliding_rule`): the tests
-    build every rule's layer into one graph, so Inductor compiles them once, not once per rule."""
+    build every rule's layer into one graph, so Inductor compiles them once, not once per rule.
+    `measure`: the measure phase's form (`kernel.settings.measure_form`; "auto" resolves by the queries' device)."""
     report = RewriteReport()
     untouched: list[fx.Node] = []
     traces: dict[tuple, KernelTrace] = {}  # layers of one model share shapes: trace once per configuration
@@ -328,7 +329,7 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule,
         if key not in traces:
             traces[key] = trace_kernel(ev, layer_rule, budget=budget, keep=keep,
                                        sliding=sliding, window=window, scale=scale, block=block, pooled=pooled,
-                                       budget_ints=budget_ints, empty=empty)
+                                       budget_ints=budget_ints, empty=empty, measure=measure)
         kt = traces[key]
 
         # Splice each phase before the SDPA node, feeding its outputs to the next phase (the same pytrees of graph
