@@ -214,24 +214,34 @@ def fake_gpu(sm: int, *, cubins: bool = True, cache_dir: str | None = None):
     if sm not in PROPS:
         raise ValueError(f"sm must be one of {sorted(PROPS)}, got {sm!r}")
     check_pinned()
-    import torch._inductor.config as icfg
-
     props = PROPS[sm]
-    seen = {"source": [], "cubins": []}
 
-    def make_launchers(self):  # record each compiled config's cubin instead of building a launcher
+    def record(self, seen):  # each compiled config's cubin, instead of a launcher
         for r in self.compile_results:
             k = r.kernel
-            asm = getattr(k, "asm", {})
             target = getattr(getattr(k, "metadata", None), "target", None)
             seen["cubins"].append(Cubin(self.fn.__name__, f"{target.backend}:{target.arch}" if target else "?",
-                                        len(asm.get("cubin", b""))))
+                                        len(getattr(k, "asm", {}).get("cubin", b""))))
 
-    def atomic_add_fallback(dtype: torch.dtype) -> bool:
+    with patched(props, sm, _driver(sm), record, compiled=cubins, cache_dir=cache_dir) as seen:
+        yield seen
+
+
+@contextlib.contextmanager
+def patched(props, capability, driver, record, *, compiled: bool = True,
+            cache_dir: str | None = None, extra: dict | None = None):
+    """The patches every fake device shares (`fake_gpu` here, `fake_hip.fake_gpu`): `props` as the one device's
+    properties, `capability` what Dynamo's `get_compute_capability` answers, `driver` as Triton's active driver,
+    `record(autotuner, seen)` in place of building launchers; `extra` ("module:obj.attr" -> value) the caller's own.
+    Yields `seen` ({"source": [...], "cubins": [...]}); `compiled=False` stops at the Triton source."""
+    import torch._inductor.config as icfg
+
+    def atomic_add_fallback(dtype: torch.dtype) -> bool:  # torch's rule, read with the fake device's capability
         if dtype == torch.bfloat16:
             return (props.major, props.minor) < (9, 0)
         return dtype in (torch.int64, torch.bool)
 
+    seen = {"source": [], "cubins": []}
     values = {
         **{f"torch._inductor.{m}:needs_fallback_due_to_atomic_add_limitations": atomic_add_fallback
            for m in ("utils", "lowering", "decomposition")},
@@ -246,21 +256,22 @@ def fake_gpu(sm: int, *, cubins: bool = True, cache_dir: str | None = None):
         "torch._dynamo.device_interface:CudaInterface.current_device": staticmethod(lambda: 0),
         "torch._dynamo.device_interface:CudaInterface.device_count": staticmethod(lambda: 1),
         "torch._dynamo.device_interface:CudaInterface.is_available": staticmethod(lambda: True),
-        "torch._dynamo.device_interface:CudaInterface.get_compute_capability": staticmethod(lambda device=None: sm),
+        "torch._dynamo.device_interface:CudaInterface.get_compute_capability":
+            staticmethod(lambda device=None: capability),
         "torch._dynamo.device_interface:CudaInterface.is_triton_capable": staticmethod(lambda device=None: True),
         "torch._dynamo.device_interface:CudaInterface.raise_if_triton_unavailable":
             staticmethod(lambda device=None: None),
         "torch._dynamo.device_interface:CudaInterface.is_bf16_supported": staticmethod(lambda *a, **k: True),
         "torch._inductor.runtime.triton_helpers:set_driver_to_gpu": lambda: None,
         "torch._inductor.graph:GraphLowering.save_output_code": staticmethod(lambda code: seen["source"].append(code)),
-        "torch._inductor.runtime.triton_heuristics:CachingAutotuner._make_launchers": make_launchers,
+        "torch._inductor.runtime.triton_heuristics:CachingAutotuner._make_launchers": lambda self: record(self, seen),
         "torch._inductor.runtime.triton_heuristics:CachingAutotuner._dynamic_scale_rblock": lambda self: None,
+        "triton.runtime.driver:driver._default": driver,
+        "triton.runtime.driver:driver._active": driver,
+        **(extra or {}),
     }
-    if not cubins:
+    if not compiled:
         values["torch._inductor.runtime.triton_heuristics:CachingAutotuner.precompile"] = lambda self, *a, **k: None
-    driver = _driver(sm)
-    values["triton.runtime.driver:driver._default"] = driver
-    values["triton.runtime.driver:driver._active"] = driver
 
     saved = []
     cache = cache_dir or _process_cache()
@@ -317,12 +328,21 @@ def lower(gm: torch.fx.GraphModule, specs, *, sm: int, cubins: bool = True) -> L
     """Lower `gm` (traced on CPU; `specs` its placeholders' example tensors) for an sm_`sm` CUDA device: retargeted
     to `cuda:0`, its inputs fake CUDA tensors of the same shapes, strides and dtypes, then Inductor with the settings
     every fxbudget compile uses (`backend.inductor`)."""
+    seen = run_inductor(gm, specs, fake_gpu(sm, cubins=cubins))
+    code = "\n".join(seen["source"])
+    return Lowered(sm, seen["source"], _KERNEL.findall(code), sorted(set(_EXTERN.findall(code))),
+                   fallbacks_of(code), seen["cubins"])
+
+
+def run_inductor(gm: torch.fx.GraphModule, specs, device) -> dict:
+    """`gm` retargeted to `cuda:0` and lowered by `backend.inductor` inside `device` (a fake device's context) on
+    fake CUDA tensors shaped like `specs`; what the context collected."""
     from fxbudget.compiler.backend import inductor
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     retarget(gm)
-    with fake_gpu(sm, cubins=cubins) as seen:
+    with device as seen:
         # A ShapeEnv: the scan's while-loop reads its counter (`_local_scalar_dense`) while it is lowered.
         with FakeTensorMode(shape_env=ShapeEnv()):
             inputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
@@ -331,6 +351,4 @@ def lower(gm: torch.fx.GraphModule, specs, *, sm: int, cubins: bool = True) -> L
             inductor(gm, inputs)
     if not seen["source"]:
         raise FakeCudaError("compile_fx wrote no output code (was it read from a cache?)")
-    code = "\n".join(seen["source"])
-    return Lowered(sm, seen["source"], _KERNEL.findall(code), sorted(set(_EXTERN.findall(code))),
-                   fallbacks_of(code), seen["cubins"])
+    return seen
