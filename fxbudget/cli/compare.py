@@ -1,13 +1,16 @@
 """`fxbudget compare`: check everything, plan, build the samples, load the model only if rows are left to run, run,
-report. A rerun of a finished grid loads nothing and leaves the report as it is; a rerun of a part-done one says how
-many rows it skips. Ctrl-C (exit status 130) says what was saved and the command that resumes."""
+report. A rerun of a finished grid loads nothing, writes the report only if it is missing or older than the rows, and
+prints the tables and where the report is; a rerun of a part-done one says how many rows it skips. Ctrl-C stops at
+the next safe point (`harness.interrupt`; a second one at once): exit status 130, one line saying what was saved and
+the command that resumes."""
 
 from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 
-from . import decompose, names, preflight, sizes
+from . import decompose, folder, names, preflight, sizes
 from .preflight import Stages, UsageError
 
 INTERRUPTED = 130  # the shell's status of a process ended by SIGINT
@@ -54,7 +57,17 @@ def grid_of(args):
 
 
 def cmd_compare(args) -> int:
-    """Run `fxbudget compare` (see the module docstring); returns the exit status."""
+    """Run `fxbudget compare` (see the module docstring); returns the exit status. Ctrl-C is deferred to the next
+    safe point while it runs (`harness.interrupt.deferred`), and the previous SIGINT handler restored after."""
+    from ..harness import interrupt
+
+    with interrupt.deferred():
+        return _compare(args)
+
+
+def _compare(args) -> int:
+    from ..harness import interrupt
+
     stages = Stages(from_process_start=args.is_process)
     if args.ray is None and any(x is not None for x in (args.workers, args.cpus_per_worker, args.gpus_per_worker)):
         raise UsageError("--workers, --cpus-per-worker and --gpus-per-worker need --ray")
@@ -79,14 +92,19 @@ def cmd_compare(args) -> int:
                         max_new_tokens=args.max_new_tokens)
     try:
         plan = runner.plan()
+        folder.check(args.out, folder.Identity(source.name, place.dtype, place.device, tuple(grid.protocols)))
     except ValueError as e:  # a results file with a line that is not a row (a cut last line is only a warning)
         raise UsageError(str(e)) from None
     stages.mark("checks (torch and transformers imports included)")
+    interrupt.checkpoint("checks")
     if not plan:
+        written = _report_if_stale(args)
         print(f"[fxbudget] {source.name}: nothing to run, every row of this grid is in {runner.path.parent}; the "
-              "model is not loaded and the report is left as it is", file=sys.stderr)
+              "model is not loaded" + ("; the report was missing or older than the rows: written now" if written else
+                                       "; the report is left as it is"), file=sys.stderr)
         _tables(args, grid)
-        stages.mark("reading the rows")
+        _where(Path(args.out) / "report.md")
+        stages.mark("reading the rows" + (" and the report" if written else ""))
         print(f"[fxbudget] {stages.line()}; Python's exit follows", file=sys.stderr)
         return 0
     from ..harness.grid import plan_rows
@@ -95,7 +113,9 @@ def cmd_compare(args) -> int:
     if todo < total:
         print(f"[fxbudget] resuming: {total - todo} of {names.plural(total, 'row')} done (in {runner.out_dir}); "
               f"{todo} to run", file=sys.stderr)
-    if preflight.prepare_model(source):
+    with interrupt.immediate():  # minutes without a safe point; the cache is renamed into place when complete
+        converted = preflight.prepare_model(source)
+    if converted:
         stages.mark("the embedded model's first-use conversion")
     tok = preflight.tokenizer(source)
     config = sizes.model_config(source)
@@ -116,6 +136,9 @@ def cmd_compare(args) -> int:
     line = sizes.estimate_line(grid, plan, samples, sized, config, place.device, args.max_new_tokens,
                                timing.calibration, timing.rules)
     print(f"[fxbudget] {line}", file=sys.stderr)
+    busy = sizes.load_warning(place.device, timing.threads, calibrated=timing.calibration is not None)
+    if busy:
+        print(f"[fxbudget] {busy}", file=sys.stderr)
     if config is not None:
         from ..models.layer_config import budgeted_layers_line
 
@@ -131,6 +154,7 @@ def cmd_compare(args) -> int:
               f"nothing written in {args.out}; drop --dry-run to run", file=sys.stderr)
         return 0
     stages.mark("tokenizer and samples")
+    interrupt.checkpoint("samples")
     try:
         return _run(args, grid, source, place, samples, runner, plan, stages, total, tok, timing)
     except KeyboardInterrupt:
@@ -151,7 +175,8 @@ class _Timing:
 
         self.start, self.rows = time.perf_counter(), plan_rows(plan)
         self.formula = sizes.formula_seconds(grid, plan, samples, sized, config, args.max_new_tokens)
-        self.key = None if args.ray is not None else rates.key(place.device, place.dtype, torch.get_num_threads(),
+        self.threads = torch.get_num_threads()
+        self.key = None if args.ray is not None else rates.key(place.device, place.dtype, self.threads,
                                                                 grid.backend, source.name)
         self.rules = rates.rule_ids(grid.rules, grid.rule_params)
         self.calibration = rates.calibration(self.key) if self.key else None
@@ -172,9 +197,13 @@ class _Timing:
 
 def _run(args, grid, source, place, samples, runner, plan, stages, total, tok, timing=None) -> int:
     """Load the model (unless on Ray), run the rows, report."""
+    from ..harness import interrupt
+
     if args.ray is None:
+        interrupt.checkpoint("model load")
         runner = _load(args, grid, source, place, samples, tok)
         stages.mark("model load")
+        interrupt.checkpoint("model loaded")
     from ..harness.grid import plan_rows
 
     todo = plan_rows(plan)
@@ -206,9 +235,11 @@ def _run(args, grid, source, place, samples, runner, plan, stages, total, tok, t
                    f"{runner.compile_s:.1f} s, run {runner.run_s:.1f} s)")
     from ..harness.report import report
 
+    interrupt.checkpoint("report")
     path = report([args.out], sort=args.sort)
+    interrupt.checkpoint("report written")
     _tables(args, grid)
-    print(f"\nreport (paired comparisons per budget): {path}\nplots, summary.csv, paired.csv: {path.parent}")
+    _where(path)
     stages.mark("report")
     if timing is not None:
         timing.record(runner)
@@ -244,15 +275,45 @@ def _interrupted(args, runner, total: int) -> int:
         left = total
     command = "fxbudget " + shlex.join(args.argv)
     saved = total - left
-    if not left:  # every row was saved: the report was being written
+    if not left:  # every row was saved: the report was being written, or was just written
         rows = "its one row is" if total == 1 else f"all {total} rows are"
-        print(f"[fxbudget] interrupted while writing the report: {rows} saved in {runner.path}; write it with: "
-              f"fxbudget report {shlex.quote(str(args.out))}", file=sys.stderr)
+        if _report_fresh(args.out):
+            print(f"[fxbudget] interrupted after the report: {rows} saved in {runner.path}, the report in "
+                  f"{Path(args.out) / 'report.md'}; rerunning prints the tables: {command}", file=sys.stderr)
+        else:
+            print(f"[fxbudget] interrupted while writing the report: {rows} saved in {runner.path}; write it with: "
+                  f"fxbudget report {shlex.quote(str(args.out))}", file=sys.stderr)
         return INTERRUPTED
     where = f"in {runner.path}" if saved else f"(nothing written in {runner.out_dir} yet)"
     print(f"[fxbudget] interrupted: {saved} of {names.plural(total, 'row')} saved {where}; resume with: {command}",
           file=sys.stderr)
     return INTERRUPTED
+
+
+def _report_fresh(out) -> bool:
+    """Whether `out/report.md` exists and is newer than every results file in `out`."""
+    out = Path(out)
+    report = out / "report.md"
+    if not report.is_file():
+        return False
+    newest = max((p.stat().st_mtime_ns for p in out.glob("results*.jsonl")), default=0)
+    return report.stat().st_mtime_ns >= newest
+
+
+def _report_if_stale(args) -> bool:
+    """Write the report of `--out` when it is missing or older than its rows (a run stopped before or while
+    writing it); True when it did."""
+    if _report_fresh(args.out):
+        return False
+    from ..harness.report import report
+
+    report([args.out], sort=args.sort)
+    return True
+
+
+def _where(path: Path) -> None:
+    """The two lines that say where the report, the plots and the CSV files are."""
+    print(f"\nreport (paired comparisons per budget): {path}\nplots, summary.csv, paired.csv: {path.parent}")
 
 
 def _load(args, grid, source, place, samples, tok):

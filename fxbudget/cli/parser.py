@@ -19,6 +19,15 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _lengths(text: str) -> list[int]:
+    """`1000,2000`: context lengths, each a positive int (argparse then names the flag and the help)."""
+    values = _ints(text)
+    bad = [v for v in values if v < 1]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"lengths must be positive ints (tokens), got {text!r}")
+    return values
+
+
 def _budgets(text: str) -> list[int | str]:
     """`128,256` (KV entries) or `12.5%,25%` (fractions of each sample's context)."""
     from ..harness.grid import budget_fraction
@@ -119,7 +128,7 @@ def _task_options(c, d, *, task_files: bool = True) -> None:
     else:
         c.add_argument("--tasks", type=_names, default=_joined(d.tasks), help=f"comma-separated, from: "
                        f"{', '.join(TASKS)}")
-    c.add_argument("--lengths", type=_ints, default=_joined(d.lengths), help="context lengths in tokens of the "
+    c.add_argument("--lengths", type=_lengths, default=_joined(d.lengths), help="context lengths in tokens of the "
                    "generated tasks")
     c.add_argument("--samples", type=_positive, default=None, help=f"samples per task and length (default: {d.samples})"
                    + ("; also the most lines of each task file run (default: all)" if task_files else ""))

@@ -234,10 +234,38 @@ def estimate_line(grid, plan, samples: dict, sized: list[tuple], config, device:
     if device != "cpu":
         return (f"{head}; no time estimate on {device} yet (fxbudget has no committed GPU measurement; the next run "
                 "here is estimated from this one's)")
-    return (f"{head}; estimated {_duration(formula)} (a rough estimate: the embedded 0.5B model's "
+    return (f"{head}; estimated {_duration(formula)} (a rough estimate for an otherwise idle machine: the embedded "
+            f"0.5B model's "
             f"{CPU_PREFILL_TOKENS_S:.0f} prompt tokens/s and {CPU_DECODE_STEPS_S:.0f} steps/s on one CPU thread, from "
             f"the committed quick start, scaled {_scale(config):.2g}x by model size; model load and kernel "
             "fingerprints not included; the next run on this machine is calibrated on this one's measured rate)")
+
+
+def load_warning(device: str, threads: int, *, calibrated: bool, load: float | None = None,
+                 cores: int | None = None) -> str | None:
+    """A warning when other work already keeps this machine's CPUs busy (the 1-minute load average above the cores
+    this run leaves free, plus a half), which the estimate line does not count; None otherwise, on a GPU, or where
+    the load average cannot be read.
+
+    Args:
+        threads: this run's torch threads. calibrated: whether the estimate comes from this machine's earlier runs.
+        load, cores: the 1-minute load average and the CPU count (default: read from the OS).
+    """
+    import os
+
+    if device != "cpu":
+        return None
+    try:
+        load = os.getloadavg()[0] if load is None else load
+    except OSError:
+        return None
+    cores = cores or os.cpu_count() or 1
+    if load < max(0, cores - threads) + 0.5:
+        return None
+    assumes = ("counts only the load its earlier runs saw" if calibrated else "assumes an otherwise idle machine")
+    return (f"warning: the load average is {load:.2f} on {plural(cores, 'core')} (this run takes "
+            f"{plural(threads, 'torch thread')}): other work shares the CPU, so expect longer than estimated; "
+            f"the estimate {assumes}")
 
 
 def _size(n: int) -> str:

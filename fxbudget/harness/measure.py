@@ -13,6 +13,7 @@ import transformers
 from torch import nn
 
 from ..cache.keyword import cache_kwargs, output_cache
+from . import interrupt
 from .malloc import malloc_setting
 
 
@@ -37,6 +38,7 @@ def greedy(model: nn.Module, cache, logits: torch.Tensor, max_new: int, eos: set
     """Greedy tokens from `logits` (the last prefill position) on; returns them and the cache."""
     out: list[int] = []
     for _ in range(max_new):
+        interrupt.checkpoint("decode step")  # Ctrl-C during `compare` stops between steps (the row is not written)
         tok = int(logits[0].argmax())
         if tok in eos:
             break

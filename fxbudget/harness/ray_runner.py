@@ -36,7 +36,7 @@ import torch
 from ..models.source import ModelSource, resolve_model
 from ..models import load_model
 from ..rules import get
-from . import results
+from . import interrupt, results
 from .malloc import tune_malloc
 from .ray_options import RayOptions
 from .runner import REFERENCE, Grid, Runner, Unit, plan_rows
@@ -290,6 +290,7 @@ class RayRunner:
         try:
             with self.path.open("a") as f:
                 while queue or running:
+                    interrupt.checkpoint("ray row")  # a Ctrl-C stops between the rows the workers send
                     while idle and queue:
                         w = idle.pop(0)
                         unit, todo = queue.popleft()

@@ -47,7 +47,7 @@ from ..cache.keyword import output_cache
 from ..fairness.fingerprint_store import cached_kernel_fingerprint
 from .kvzip_protocol import compress, replay_ids, template_parts
 from ..rules import get
-from . import results
+from . import interrupt, results
 from .branch import branch, shared_prefill
 # The grid lives in `grid` (no torch import: the CLI checks it before loading anything); re-exported here, where
 # callers have always found it.
@@ -216,6 +216,7 @@ class Runner:
                         rows.append(row)
                         bar.update(1)
                         bar.set_postfix_str(f"compile {self.compile_s:.0f}s, run {self.run_s:.0f}s")
+                        interrupt.checkpoint("row")  # a Ctrl-C during the row stops here, the row saved
         finally:
             bar.close()
         return rows
@@ -276,12 +277,14 @@ class Runner:
     def _fingerprint(self, rule) -> str:
         """The kernel fingerprint of the rewritten graph (rule ops masked out): one per rule per run."""
         if rule.name not in self._fingerprints:
+            interrupt.checkpoint("fingerprint")
             # Sizes are not part of the fingerprint: any budget gives the same one (relative budgets: 1024).
             budget = max((b for b in self.grid.budgets if budget_fraction(b) is None), default=1024)
             with Clock() as clock:  # inspect's probe, traced once per model, rule, code and versions (on disk)
                 self._fingerprints[rule.name], self.fingerprint_cached[rule.name] = cached_kernel_fingerprint(
                     self.model, rule, budget=budget, compute=kernel_fingerprint, **self._pool)
             self.fingerprint_s += clock.run + clock.compile
+            interrupt.checkpoint("fingerprinted")  # between the fingerprint and the compile
         return self._fingerprints[rule.name]
 
     def _run_unit(self, unit: Unit, todo, bar):

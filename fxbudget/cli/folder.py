@@ -1,0 +1,52 @@
+"""One folder, one grid: `fxbudget compare --out DIR` refuses a folder whose rows are of another model, dtype, device
+or protocol than the command's. Resuming would otherwise pool them into one report (rows of two models read as one
+grid, their two kernels as "rules did not run the same kernel"). Runs of different settings go to their own folders;
+`fxbudget report DIR1 DIR2` reads several on purpose."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What the rows of one folder must share: the model as rows name it, the dtype and device as `Placement` names
+    them, and the command's protocols (the folder's rows must be of these; a command may add protocols)."""
+
+    model: str
+    dtype: str
+    device: str
+    protocols: tuple[str, ...]
+
+
+def _kind(device: str) -> str:
+    """`cuda:1` -> `cuda`: shards of one grid may run on different GPUs of one kind."""
+    return str(device).split(":")[0]
+
+
+def check(out: str | Path, run: Identity) -> None:
+    """Refuse a command whose rows would join rows of another setting in `out`.
+
+    Raises:
+        ValueError: one line naming the difference (the folder's value and the command's) and the fix.
+    """
+    from ..harness.results import read_rows
+
+    rows = [r for path in sorted(Path(out).glob("results*.jsonl")) for r in read_rows(path)]
+    if not rows:
+        return
+    fix = f"give this command another --out (`fxbudget report {out} OTHER` reads several folders together)"
+    for what, ours, value in (("model", run.model, lambda r: r.get("model")),
+                              ("dtype", run.dtype, lambda r: r.get("dtype")),
+                              ("device", _kind(run.device), lambda r: _kind(r.get("device")))):
+        theirs = sorted({str(value(r)) for r in rows if value(r) is not None} - {str(ours)})
+        if theirs:
+            raise ValueError(f"--out {out} holds rows of another {what} ({', '.join(theirs)}; this command: {ours}): "
+                             f"one folder holds one grid; {fix}")
+    other = sorted({r["protocol"] for r in rows if r.get("protocol") not in run.protocols})
+    if other:
+        both = ",".join([*run.protocols, *other])
+        raise ValueError(f"--out {out} holds rows of protocol {', '.join(other)} (this command: "
+                         f"{', '.join(run.protocols)}): one folder holds one grid; {fix}, or run them together "
+                         f"with --protocol {both}")
