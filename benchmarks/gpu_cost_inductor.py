@@ -1,0 +1,126 @@
+"""Inductor's own byte counts of the kernel's three phases lowered for a (fake) sm_90, one layer of the Llama-3.1-8B
+shapes in bfloat16: what `python benchmarks/gpu_cost.py inductor` runs (needs `.venv-cuda`: torch 2.14.1+cu130,
+`tests/fake_cuda.py`).
+
+Each phase is traced the way the SDPA pass traces it (`passes.sdpa.trace_kernel`, on fake tensors: nothing is
+allocated, so real lengths trace as fast as small ones), its outputs flattened, and lowered by `fake_cuda.lower`
+(Triton source only, no cubins). After each graph's codegen, Inductor's `GraphLowering.count_bytes()` (what fills
+`torch._inductor.metrics.num_bytes_accessed` and `nodes_num_elem` when its metrics log is on) is read per scheduler
+node. The scan over query blocks lowers to a while-loop whose body is its own subgraph, counted once by Inductor:
+its bytes are multiplied here by the loop's trip count (`key_scan`'s step count for the call's block and tiles).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fake_inputs(n: int, S: int, shp: dict):
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    b, H, h, d = 1, shp["H"], shp["h"], shp["d"]
+    bf, i64 = torch.bfloat16, torch.long
+    with FakeTensorMode():
+        return dict(
+            keys=torch.empty(b, h, S, d, dtype=bf), values=torch.empty(b, h, S, d, dtype=bf),
+            pos=torch.empty(b, h, S, dtype=i64), state=torch.empty(b, h, S), norms=torch.empty(b, h, S, 3),
+            totals=torch.empty(b, h, 9), owner=torch.empty(b, h, S, dtype=torch.int32),
+            k_new=torch.empty(b, h, n, d, dtype=bf), v_new=torch.empty(b, h, n, d, dtype=bf),
+            new_pos=torch.empty(b, n, dtype=i64), inv_freq=torch.empty(d // 2), wo=torch.empty(h, d, H // h * d),
+            q=torch.empty(b, H, n, d, dtype=bf))
+
+
+def _flat_outputs(gm):
+    """compile_fx wants a flat tuple of outputs; a phase returns a pytree (measure: a tuple with a dict)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    out = next(x for x in gm.graph.nodes if x.op == "output")
+    out.args = (tuple(x for x in pytree.tree_flatten(out.args[0])[0] if isinstance(x, torch.fx.Node)),)
+    gm.recompile()
+    return gm
+
+
+def lower_case(kind: str, n: int, S: int, shp: dict, window: int, rule: str) -> dict:
+    """One call (a one-call prefill of `n` tokens on an empty cache of `S` slots, or a decode step over `S` full
+    slots) lowered phase by phase; Inductor's byte count per phase."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import fake_cuda
+    import torch
+    from torch._inductor.graph import GraphLowering
+
+    from fxbudget.kernel.key_scan import padded_blocks, tile_blocks
+    from fxbudget.kernel.settings import auto_block
+    from fxbudget.passes.sdpa import trace_kernel
+    from fxbudget.rules import get
+
+    block = auto_block(shp["H"], n, torch.device("cuda"))  # the block the kernel picks on CUDA (batch 1)
+    R = min(block, n)
+    nb = -(-n // R)
+    c = tile_blocks(R, nb)
+    steps = padded_blocks(nb, c) // 2 if n > R else 0
+    kt = trace_kernel(_fake_inputs(n, S, shp), get(rule), budget=S, keep=S, sliding=0, window=window, scale=None,
+                      block=block, budget_ints=False, empty=kind == "prefill")
+    graphs: list[tuple[str, object]] = []
+    orig = GraphLowering.codegen, GraphLowering.codegen_subgraph
+
+    def codegen(self, *a, **k):
+        r = orig[0](self, *a, **k)
+        graphs.append((getattr(self, "name", None) or "main", self.count_bytes()))
+        return r
+
+    def codegen_subgraph(self, parent):
+        r = orig[1](self, parent)
+        graphs.append((getattr(self, "name", None) or "sub", self.count_bytes()))
+        return r
+
+    phases = {}
+    GraphLowering.codegen, GraphLowering.codegen_subgraph = codegen, codegen_subgraph
+    try:
+        for phase in ("measure", "rule", "evict"):
+            gm = _flat_outputs(getattr(kt, phase))
+            specs = [x.meta["val"] for x in gm.graph.nodes if x.op == "placeholder"]
+            graphs.clear()
+            t = time.perf_counter()
+            low = fake_cuda.lower(gm, specs, sm=90, cubins=False)
+            parts = []
+            for name, (total, counts, runtimes) in graphs:
+                loop = name.startswith("while_loop_body")
+                trip = steps if loop else 1
+                if loop and not steps:
+                    raise RuntimeError(f"{kind} n={n}: a loop body but no scan steps")
+                parts.append(dict(graph=name, trip=trip, bytes=total, nodes=[
+                    dict(node=node.get_name(), type=type(node).__name__, bytes=elems * 4)
+                    for node, elems in counts if elems], est_runtime_ms=sum(r for _, r in runtimes)))
+            phases[phase] = dict(bytes=sum(p["bytes"] * p["trip"] for p in parts), kernels=len(low.kernels),
+                                 externs=low.externs, fallbacks=low.fallbacks, graphs=parts,
+                                 lower_s=round(time.perf_counter() - t, 1))
+    finally:
+        GraphLowering.codegen, GraphLowering.codegen_subgraph = orig
+    return dict(kind=kind, n=n, S=S, block=R, tile_blocks=c, steps=steps, phases=phases)
+
+
+def run(cases: list[tuple[str, int, int]], shp: dict, window: int, rule: str, out: Path) -> None:
+    import torch
+    import triton
+
+    rows = []
+    for kind, n, S in cases:
+        t = time.perf_counter()
+        rows.append(lower_case(kind, n, S, shp, window, rule))
+        print(f"[gpu_cost inductor] {kind} n={n} S={S}: " + ", ".join(
+            f"{p} {v['bytes'] / 1e9:.3f} GB ({v['kernels']} kernels)" for p, v in rows[-1]["phases"].items())
+            + f" in {time.perf_counter() - t:.0f} s", flush=True)
+    out.write_text(json.dumps(dict(
+        note="Inductor's GraphLowering.count_bytes() per phase, one layer, batch 1, bf16, lowered for a fake sm_90 "
+             "(tests/fake_cuda.py); loop bodies multiplied by their trip count. Written by "
+             "`python benchmarks/gpu_cost.py inductor`.",
+        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(), rule=rule,
+        window=window, shapes=shp, cases=rows), indent=1) + "\n")
