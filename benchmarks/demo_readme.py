@@ -94,7 +94,10 @@ def is_quick(grid: str) -> bool:
 
 
 def quick_args(grid: str) -> list[str]:
-    return QUICK_ARGS + GRIDS[grid][0]
+    """The grid's command; every grid but the README's has its own `--out` (one folder holds one grid: `compare`
+    refuses a folder holding another model's rows)."""
+    out = "runs/quick" if grid == "quick" else "runs/" + grid.replace("-", "_")
+    return [out if a == "runs/quick" else a for a in QUICK_ARGS] + GRIDS[grid][0]
 
 
 def run_quick(out: Path, args: list[str]) -> dict:
@@ -112,7 +115,7 @@ def run_quick(out: Path, args: list[str]) -> dict:
         cpu_s = round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1)
         if done.returncode:
             raise SystemExit(f"the quick start failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        shutil.copytree(clone / "runs" / "quick", out)
+        shutil.copytree(clone / args[args.index("--out") + 1], out)
     notes = [line.replace(env["FXBUDGET_CACHE"], "$FXBUDGET_CACHE") for chunk in done.stderr.splitlines()
              for line in chunk.split("\r") if line.startswith("[fxbudget]")]
     (out / "output.txt").write_text("\n".join(notes) + "\n" + done.stdout)
@@ -177,11 +180,23 @@ def quick_regions() -> dict[str, str]:
         "command": f"```\nfxbudget {command}\n```",
         "time": _minutes(wall["wall_s"]),
         "cpu": _minutes(wall["cpu_s"]),
+        "threads": _threads(wall),
         "machine": f"measured {wall['date']} in a fresh clone (commit {wall['clone']}) with an empty "
                    f"`FXBUDGET_CACHE`, load average {wall['load_before']} before and {wall['load_after']} after on "
                    f"this 2-core machine ({rel}/wall.json)",
         "output": "```\n" + (DOCS / "output.txt").read_text().strip() + "\n```",
     }
+
+
+def _threads(wall: dict) -> str:
+    """The torch threads the quick start's CPU time is on, as its rows record them, and the setting that chose them."""
+    threads = {json.loads(line)["threads"] for line in (DOCS / "results.jsonl").open() if line.strip()}
+    if len(threads) != 1:
+        raise SystemExit(f"{DOCS}/results.jsonl: rows on {sorted(threads)} threads")
+    n = threads.pop()
+    words = "one torch thread" if n == 1 else f"{n} torch threads"
+    setting = wall["command"].split(" fxbudget", 1)[0] if wall["command"].startswith("OMP_NUM_THREADS=") else None
+    return f"{words} (run with `{setting}`, as its rows record)" if setting else f"{words} (as its rows record)"
 
 
 def regions() -> dict[str, str]:
@@ -227,7 +242,7 @@ def fill_readme(paths: list[Path] | None = None) -> None:
         _FILLING = path
         text = original = path.read_text()
         for name, body in regions().items():
-            inline = name in ("time", "rows", "cpu", "machine")
+            inline = name in ("time", "rows", "cpu", "machine", "threads")
             tag = f"{PREFIX} {name}"
             new = f"<!-- {tag} -->{body}<!-- /{tag} -->" if inline else f"<!-- {tag} -->\n{body}\n<!-- /{tag} -->"
             # The region with its old content, or a bare marker (optionally with a note after a colon) the first time.

@@ -20,8 +20,11 @@ def test_two_samples_lead_without_separation_and_say_what_would_settle_it():
     rows = [row("full", i) for i in range(2)] + [row("snapkv", i) for i in range(2)] + \
            [row("streamingllm", i, score=0.0) for i in range(2)]
     first = _opening(R.markdown(rows, []))
+    # Issue 50: why 1.00 against 0.00 is not separated at n = 2 is said in the sentence.
     assert first == ("**Answer** (by accuracy): at B=8, **snapkv** leads (accuracy 1.00), but not separated from any "
-                     "other rule (2 paired samples). To settle it: about 6 paired samples at B=8 (snapkv against "
+                     "other rule: 2 paired samples cannot separate even 0.00 from 1.00 (the paired test's smallest "
+                     "possible p is 2/2^2 = 0.5; a pair needs at least 6 paired samples, every one won by the same "
+                     "rule). To settle it: about 6 paired samples at B=8 (snapkv against "
                      "streamingllm) would separate the leader from the lowest rule not yet separated from it with 80% "
                      "power (projected from these samples' differences: a guide, not a promise).")
     assert "Clopper" not in first and "Holm" not in first  # statistical terms are in the glossary
@@ -85,7 +88,9 @@ def test_no_tier_for_a_rule_separated_neither_from_top_nor_last():
     assert line["| a"].split(" | ")[2] == "top" and line["| a"].split(" | ")[4] == "1"
     assert line["| c"].split(" | ")[4] == "2"
     two = [row("a", i) for i in range(2)] + [row("c", i, score=0.0) for i in range(2)]
-    assert "| c | 0.00 [0.00, 0.84] | -1.00 [-1.00, 0.78] | 0.500 | undecided |" in R.paired_tables(two)
+    # Issue 50: no interval for the accuracy difference either below 6 samples (the likelihood's rule)
+    assert "| c | 0.00 [0.00, 0.84] | -1.00 (n=2: too few samples for an interval) | 0.500 | undecided |" in \
+        R.paired_tables(two)
 
 
 def test_glossary_closes_the_report_and_the_cost_table_says_what_it_times():

@@ -24,8 +24,8 @@ def cost_note(rows: list[dict]) -> str:
     devices = sorted({str(r.get("device")) for r in rows})
     plural = "" if threads == ["1"] else "s"
     return (f"Times are wall-clock seconds of {_kernel({r.get('backend') for r in rows})}, on "
-            f"{' / '.join(threads)} torch thread{plural} of {' / '.join(devices)}, measured while the run went "
-            "(one sample each, not a benchmark). An evicting rule runs fxbudget's shared kernel, which measures every "
+            f"{' / '.join(threads)} torch thread{plural} of {' / '.join(devices)}, measured once per sample while the "
+            "run went (not a benchmark). An evicting rule runs fxbudget's shared kernel, which measures every "
             "signal for every candidate whatever the rule, and the unmodified model does not; so a rule's time here "
             "is the kernel's overhead plus the rule's own ops. The repository's benchmarks separate the two "
             f"(`benchmarks/RESULTS.md`): the kernel against plain attention in `{OVERHEAD}`, the rules against each "

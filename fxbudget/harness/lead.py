@@ -7,7 +7,7 @@ these did not separate it). The statistical terms are in the report's glossary, 
 from __future__ import annotations
 
 from .grouping import budgets, setting, settings
-from .stats import leaders, samples_for_power
+from .stats import ALPHA, leaders, samples_for_power, samples_to_separate, smallest_p
 from .tables import paired, paired_values
 
 
@@ -37,6 +37,12 @@ def _budget_clause(rows, metric: str, b) -> tuple[str, bool, tuple[int, str, str
         sure = f"on {n} paired samples"
     elif not same:
         sure = f"ahead of every other rule (separated; {n} paired samples)"
+    elif len(same) == others and smallest_p(n, others) >= ALPHA:
+        # Say why, or 0.00 against 1.00 not separated reads like a broken test.
+        even = "even 0.00 from 1.00" if metric == "accuracy" else "any difference, however large"
+        sure = (f"but not separated from any other rule: {n} paired sample{'s' if n != 1 else ''} cannot separate "
+                f"{even} (the paired test's smallest possible p is 2/2^{n} = {2.0 ** (1 - n):.3g}; a pair needs at "
+                f"least {samples_to_separate(others)} paired samples, every one won by the same rule)")
     elif len(same) == others:
         sure = f"but not separated from any other rule ({n} paired samples)"
     else:

@@ -244,7 +244,8 @@ def markdown(rows: list[dict], plots: list[str], sort: str = "accuracy") -> str:
                 parts += turn_sections(crs, sort, DETAILS)
             for task, trs in tasks.items() if len(tasks) > 1 else ():
                 parts += _section(trs, sort, f"{task} ({_context(trs)})", details=True)
-            summary = "expected vs each rule's output (✓ all expected answers found, ✗ none; full: results.jsonl)"
+            summary = ("expected vs each rule's output (✓ all expected answers found, ✗ none; the outputs in full are in "
+                       "results.jsonl)")
             parts += ["### answers per sample", "", DETAILS.format(summary), "", answers_tables(crs, sort), "",
                       "</details>", ""]
             parts += ["### cost (mean per sample)", "", cost_note(crs), "", cost_table(crs, sort)]

@@ -9,9 +9,9 @@
 - Paired differences: every rule runs on the same samples, so rule A is compared with rule B on the per-sample
   differences `d = a - b`. The p-value is a two-sided **sign-flip permutation test** of `mean(d) = 0` (exact
   enumeration of the sign patterns of the non-zero differences up to `EXACT_MAX` of them, else a seeded Monte Carlo
-  with the +1 correction). The interval of `mean(d)` agrees with that test: the shifts the test does not reject
-  (unbounded at five samples or fewer), or, for 0/1 scores, Clopper-Pearson intervals of the two discordant
-  proportions (Bonferroni-combined).
+  with the +1 correction). The interval of `mean(d)` agrees with that test: the shifts the test does not reject,
+  or, for 0/1 scores, Clopper-Pearson intervals of the two discordant proportions (Bonferroni-combined); both
+  unbounded at five samples or fewer, where the test rejects nothing.
 - Ranking: the top rule (highest mean; ties by name) is compared with every other one, p-values Holm-adjusted over
   those comparisons; the rules not separated from it at `alpha` form tier 1, and the procedure repeats on the rest.
 - What a sample size can show at all: with n paired samples the sign-flip test's smallest p is 2/2^n (every
@@ -270,7 +270,9 @@ def paired_diff(a, b, level: float = LEVEL) -> PairedDiff:
 
     The interval matches the test: for 0/1 scores the discordant-pairs interval (`binary_diff_interval`), else the
     inverted sign-flip test (`sign_flip_interval`). A bootstrap would not: at a handful of samples it reads
-    [-1.00, -1.00] where the test cannot reject.
+    [-1.00, -1.00] where the test cannot reject. Below `samples_to_separate()` samples (6 at 95%), where the test
+    can reject no difference at all, neither gives an interval (unbounded: `no_interval_reason`), so that an accuracy
+    difference and a likelihood difference beside it follow one rule.
 
     Returns:
         A `PairedDiff` of `a - b`.
@@ -280,7 +282,10 @@ def paired_diff(a, b, level: float = LEVEL) -> PairedDiff:
         raise ValueError(f"paired_diff needs two 1-D arrays of the same non-zero length, got {a.shape} and {b.shape}")
     d = a - b
     binary = bool(np.all(np.isin(a, (0.0, 1.0))) and np.all(np.isin(b, (0.0, 1.0))))
-    lo, hi = binary_diff_interval(d, level) if binary else sign_flip_interval(d, level)
+    if smallest_p(len(d)) >= 1 - level:  # one rule for every paired interval: none where the test rejects nothing
+        lo, hi = -math.inf, math.inf
+    else:
+        lo, hi = binary_diff_interval(d, level) if binary else sign_flip_interval(d, level)
     return PairedDiff(float(d.mean()), lo, hi, sign_flip_pvalue(d), len(d),
                       "discordant clopper-pearson" if binary else "sign-flip inversion")
 
