@@ -51,3 +51,26 @@ def test_dry_run_runs_every_step(tmp_path):
     assert all(line.split("|")[2].strip() == "ok" for line in table), table
     assert tail[-1].startswith(f"{len(steps)} steps in ")
     assert "| step | status | seconds | key numbers |" in (out / "summary.md").read_text()
+
+
+def test_random_weights_are_seeded_and_per_tensor():
+    # The GPU run compares kept sets on the GPU with the same weights on the CPU: a model built twice with one seed
+    # must be identical, and layer i's weights must not depend on how many layers were asked.
+    import torch
+
+    from fxbudget.models import load_config, load_random
+
+    tiny = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 64, "num_hidden_layers": 24, "tie_word_embeddings": True}
+    a, b = load_random(tiny, seed=3, layers=2), load_random(tiny, seed=3, layers=2)
+    assert a.config.num_hidden_layers == 2 and load_config(tiny).num_hidden_layers == 24
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    one = load_random(tiny, seed=3, layers=1).state_dict()
+    assert torch.equal(one["model.layers.0.self_attn.q_proj.bias"], sa["model.layers.0.self_attn.q_proj.bias"])
+    assert not torch.equal(load_random(tiny, seed=4, layers=1).state_dict()["model.embed_tokens.weight"],
+                           one["model.embed_tokens.weight"])
+    assert a.lm_head.weight is a.model.embed_tokens.weight  # tied, as the config says
+    assert torch.equal(a.model.norm.weight, torch.ones(32))
+    with pytest.raises(ValueError, match="no model_type"):
+        load_config({"hidden_size": 8})
