@@ -24,8 +24,12 @@ NEWEST_TORCH_BIN := $(NEWEST_TORCH_VENV)/bin
 CUDA_VENV ?= .venv-cuda
 CUDA_BIN := $(CUDA_VENV)/bin
 CUDA_TORCH_VERSION ?= 2.14.1
+# The oldest torch pyproject.toml accepts (its `torch>=`): `make test-oldest-torch` tests the floor users have.
+OLDEST_TORCH_VENV ?= .venv-oldest-torch
+OLDEST_TORCH_BIN := $(OLDEST_TORCH_VENV)/bin
+TORCH_OLDEST ?= 2.11.0
 
-.PHONY: demo demo-gemma test test-newest test-newest-torch test-cuda-codegen install clean docs
+.PHONY: demo demo-gemma test test-newest test-newest-torch test-oldest-torch test-cuda-codegen install clean docs
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -113,6 +117,26 @@ test-newest-torch: $(NEWEST_TORCH_VENV)/.installed
 	@# (test_eviction.py compiles every rule's layer), which file-by-file scheduling leaves to one worker.
 	$(NEWEST_TORCH_BIN)/python $(NEWEST_PYTEST) --dist load -m "newest or inductor"
 
+# The oldest torch the package declares, with the `newest` subset and the GPU lease run's dry run (every step at tiny
+# sizes on the CPU: the GPU machine's image has an older torch than `make test`'s). Installed as the other unpinned
+# venvs: torch first, then the project against the constraints without their torch pin.
+$(OLDEST_TORCH_VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(OLDEST_TORCH_BIN)/python || $(PY) -m venv $(OLDEST_TORCH_VENV)
+	$(OLDEST_TORCH_BIN)/python -m pip install -q --upgrade pip
+	$(OLDEST_TORCH_BIN)/python -m pip install -q "torch==$(TORCH_OLDEST)" $(TORCH_PIP_ARGS)
+	grep -v '^torch==' constraints.txt > $(OLDEST_TORCH_VENV)/constraints.txt
+	$(OLDEST_TORCH_BIN)/python -m pip install -q -c $(OLDEST_TORCH_VENV)/constraints.txt -e ".[test]"
+	@# Installing the project must not move torch up (it does when pyproject's `torch>=` is above TORCH_OLDEST).
+	$(OLDEST_TORCH_BIN)/python -c "import sys, torch; v = torch.__version__.split('+')[0]; \
+		sys.exit(0 if v == '$(TORCH_OLDEST)' else 'test-oldest-torch: torch ' + v + ' installed, not $(TORCH_OLDEST)')"
+	touch $@
+
+test-oldest-torch: $(OLDEST_TORCH_VENV)/.installed
+	$(OLDEST_TORCH_BIN)/python -c "import torch, transformers; print('test-oldest-torch: torch', \
+		torch.__version__, 'transformers', transformers.__version__)"
+	$(OLDEST_TORCH_BIN)/python $(NEWEST_PYTEST) --dist load -m newest
+	$(OLDEST_TORCH_BIN)/python benchmarks/gpu_lease.py run --dry-run --out build/gpu-lease-dry-run-oldest-torch
+
 # Inductor's CUDA lowering of the rewritten graphs without a GPU (tests/test_cuda_codegen.py, docs/gpu.md): the
 # Triton source for sm_90 and sm_80 and cubins from Triton's own ptxas, on torch's CUDA build (no TORCH_PIP_ARGS:
 # a CPU index would bring the CPU build). One process, one thread: on a shared 2-core machine it runs beside the
@@ -132,4 +156,4 @@ test-cuda-codegen: $(CUDA_VENV)/.installed
 		tests/test_cuda_codegen.py tests/test_rocm_codegen.py
 
 clean:
-	rm -rf $(VENV) $(NEWEST_VENV) $(NEWEST_TORCH_VENV) $(CUDA_VENV) *.egg-info build/site
+	rm -rf $(VENV) $(NEWEST_VENV) $(NEWEST_TORCH_VENV) $(OLDEST_TORCH_VENV) $(CUDA_VENV) *.egg-info build/site
