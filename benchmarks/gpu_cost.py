@@ -1,7 +1,8 @@
 """PREDICTED cost of one attention call of the kernel on an H200, phase by phase, against the unmodified model's
 attention (issue 51 item 4, issue 49 item 1): nothing here has run on a GPU; the GPU run checks it.
 
-    python benchmarks/gpu_cost.py inductor    # .venv-cuda only: Inductor's byte counts -> results/gpu_cost_inductor.json
+    python benchmarks/gpu_cost.py inductor    # .venv-cuda only: Inductor's byte counts of the kernel's phases and of
+                                              # the fused form's two flex calls -> results/gpu_cost_inductor.json
     python benchmarks/gpu_cost.py report      # results/gpu_cost.md and the section of docs/gpu.md, from that JSON
     python benchmarks/gpu_cost.py report --check   # exit 1 if either file differs from what it would write
 
@@ -91,6 +92,9 @@ FIT_LENGTHS = (2048, 4096, 8192)  # Inductor's prefill counts fitted as a n^2 + 
 INDUCTOR_CASES = [("prefill", n, PREFILL_BUDGET) for n in (*FIT_LENGTHS, 32768, 131072)] + \
                  [("decode", 1, B) for B in BUDGETS]
 D_ONES = 128  # d' of the transposed call's V' (the spike's: d)
+# The fused form's two flex calls lowered at these lengths (their block masks are built on the CPU from n x g n
+# mask entries: 8K ran out of memory on the 24 GB development machine)
+FUSED_LENGTHS = (1024, 2048, 4096)
 LAUNCH_S = 2e-6  # the floor of one small kernel launched from a CUDA graph (assumed; the GPU run checks it)
 FLASH_LAUNCHES = 2  # the unmodified attention per layer: the K/V cache append and SDPA's flash kernel
 MODEL_LAUNCHES = 10  # the rest of a compiled layer (norms, projections, RoPE, MLP, residuals): whole-model column
@@ -247,7 +251,8 @@ def inductor_table(ind: dict, s: dict) -> tuple[list[dict], dict]:
             loop = sum(len(g["nodes"]) * g["trip"] for g in body)
             out.append(dict(kind=kind, n=n, S=S, phase=phase, inductor=v["bytes"], hand=hand[phase]["bytes"],
                             fit=fits[phase][0](n) if kind == "prefill" else None, kernels=v["kernels"],
-                            launches=launches, loop_launches=loop, fallbacks=v["fallbacks"], block=c["block"], steps=c["steps"],
+                            launches=launches, loop_launches=loop, fallbacks=v["fallbacks"], block=c["block"],
+                            steps=c["steps"],
                             body_nodes=body[0]["nodes"] if body else None))
     return out, {p: f[1] for p, f in fits.items()}
 
@@ -278,7 +283,11 @@ def combined(rows: list[dict], itab: list[dict], s: dict) -> list[dict]:
 # --- Report ----------------------------------------------------------------------------------------------------
 
 def _gb(x: float) -> str:
-    return f"{x / 1e9:,.1f}" if x >= 1e8 else f"{x / 1e9:.3f}"
+    return f"{x / 1e9:,.0f}" if x >= 1e11 else f"{x / 1e9:.1f}" if x >= 1e9 else f"{x / 1e9:.3f}"
+
+
+def _poly(a: float, b: float, c: float) -> str:
+    return f"{a:.4g} n^2 {'-' if b < 0 else '+'} {abs(b):.4g} n {'-' if c < 0 else '+'} {abs(c):.4g}"
 
 
 def _t(x: float) -> str:
@@ -336,10 +345,32 @@ def tables(s: dict, ind: dict | None) -> str:
                          f"| {_gb(r['hand'])} | {r['inductor'] / r['hand']:.2f} | {fit} | {r['kernels']} "
                          f"({r['launches']}) | {', '.join(r['fallbacks']) or 'none'} |")
         lines += ["", "Fits (bytes, one layer): " + "; ".join(
-            f"{p}: {a:.4g} n^2 + {b:.4g} n + {c:.4g}" for p, (a, b, c) in fits.items()) + "."]
+            f"{p}: {_poly(a, b, c)}" for p, (a, b, c) in fits.items()) + "."]
+        if ind.get("fused"):
+            fz = {r["n"]: r for r in ind["fused"]}
+            fit, (a, b, c) = fit_quadratic([(n, fz[n]["bytes"]) for n in FUSED_LENGTHS[-3:]])
+            lines += ["", "**Inductor's count of the fused form**: the two flex_attention calls of a one-call "
+                      "prefill (the forward with `enable_gqa` and its LSE; the transposed call over each KV head's "
+                      f"keys and its group's queries, V' of head dim {ind['fused'][0]['d_ones']}), captured by "
+                      "Dynamo and lowered for the fake sm_90 (their block masks are built on the CPU, so the "
+                      f"lowering stops at {max(fz) // 1024}K), one layer, against the by-hand bytes of the same "
+                      f"two calls; fit a n^2 + b n + c through n = {', '.join(str(n) for n in FUSED_LENGTHS[-3:])}: "
+                      f"{_poly(a, b, c)} (the n^2 term: the block masks' indices):", "",
+                      "| n | Inductor GB | by hand GB | Inductor / by hand | Triton kernels | outside Triton |",
+                      "|---|---|---|---|---|---|"]
+            for n in (*sorted(fz), *LENGTHS):
+                parts = fused_measure("prefill", n, PREFILL_BUDGET, s, dp=ind["fused"][0]["d_ones"])["parts"]
+                hand = parts["forward"][1] + parts["transposed"][1]
+                if n in fz:
+                    r = fz[n]
+                    lines.append(f"| {n} | {_gb(r['bytes'])} | {_gb(hand)} | {r['bytes'] / hand:.2f} "
+                                 f"| {r['kernels']} | {', '.join(r['fallbacks'] + r['externs']) or 'none'} |")
+                elif n not in fz:
+                    lines.append(f"| {n} (fit) | {_gb(fit(n))} | {_gb(hand)} | {fit(n) / hand:.2f} | - | - |")
         lines += ["", f"**PREDICTED time, both counts together**: today's form with Inductor's bytes for the "
                   f"measure phase and the rule region (evict by hand: Inductor charges its indexed accesses with "
-                  f"whole buffers; compute as by hand) plus a floor of {LAUNCH_S * 1e6:g} us per kernel launch (Inductor's "
+                  f"whole buffers; compute as by hand) plus a floor of {LAUNCH_S * 1e6:g} us per kernel launch "
+                  "(Inductor's "
                   "scheduled kernels per layer, the loop body's times its trip count; an assumption the GPU run "
                   "checks: small kernels replayed from a CUDA graph); the fused form by hand plus today's "
                   "launches outside the scan and 3 more (two flex templates, the window block); the unmodified "
@@ -381,6 +412,13 @@ def decision(s: dict, ind: dict | None) -> str:
     out[0] += (f"; with V' of head dim 16 in the transposed call (its output is discarded) the fused form is "
                f"{t_alt / p32['t_base']:.2f}x ({whole(t_alt, p32):.2f}x the whole model), "
                f"{'met' if whole(t_alt, p32) <= 1.3 else 'not met'} either.")
+    if ind and ind.get("fused"):
+        itab = {(r["kind"], r["n"], r["phase"]): r for r in inductor_table(ind, s)[0]}
+        fit = fit_quadratic([(r["n"], r["bytes"]) for r in ind["fused"]][-3:])[0]
+        today32 = itab[("prefill", 32768, "measure")]["inductor"]
+        out[0] += (f" Inductor's counts agree on the gap in bytes: at 32K today's measure phase moves "
+                   f"{_gb(today32)} GB a layer, the fused form's two calls {_gb(fit(32768))} GB (fitted), "
+                   f"{today32 / fit(32768):,.0f}x less.")
     for N in DECODE_CACHES:
         for B in BUDGETS:
             r = next(x for x in rows if x["kind"] == "decode" and x["S"] == B and x["ref"] == N)
@@ -438,7 +476,8 @@ def main(argv=None) -> int:
         sys.path.insert(0, str(HERE))
         import gpu_cost_inductor
 
-        gpu_cost_inductor.run(INDUCTOR_CASES, {k: s[k] for k in ("H", "h", "d")}, s["w"], "snapkv", args.out)
+        gpu_cost_inductor.run(INDUCTOR_CASES, {k: s[k] for k in ("H", "h", "d")}, s["w"], "snapkv", args.out,
+                              fused=FUSED_LENGTHS, d_ones=D_ONES)
         return 0
     ind = load_inductor() if INDUCTOR_JSON.exists() else None
     want = {REPORT: report_md(s, ind), DOCS: updated_docs(DOCS.read_text(), docs_section(s, ind))}

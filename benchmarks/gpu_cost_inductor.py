@@ -107,7 +107,8 @@ def lower_case(kind: str, n: int, S: int, shp: dict, window: int, rule: str) -> 
     return dict(kind=kind, n=n, S=S, block=R, tile_blocks=c, steps=steps, phases=phases)
 
 
-def run(cases: list[tuple[str, int, int]], shp: dict, window: int, rule: str, out: Path) -> None:
+def run(cases: list[tuple[str, int, int]], shp: dict, window: int, rule: str, out: Path,
+        fused: tuple[int, ...] = (), d_ones: int = 128) -> None:
     import torch
     import triton
 
@@ -118,9 +119,68 @@ def run(cases: list[tuple[str, int, int]], shp: dict, window: int, rule: str, ou
         print(f"[gpu_cost inductor] {kind} n={n} S={S}: " + ", ".join(
             f"{p} {v['bytes'] / 1e9:.3f} GB ({v['kernels']} kernels)" for p, v in rows[-1]["phases"].items())
             + f" in {time.perf_counter() - t:.0f} s", flush=True)
+    fused_rows = []
+    for n in fused:
+        fused_rows.append(lower_fused(n, shp, d_ones))
+        print(f"[gpu_cost inductor] fused prefill n={n}: {fused_rows[-1]['bytes'] / 1e9:.3f} GB "
+              f"({fused_rows[-1]['kernels']} kernels)", flush=True)
     out.write_text(json.dumps(dict(
         note="Inductor's GraphLowering.count_bytes() per phase, one layer, batch 1, bf16, lowered for a fake sm_90 "
              "(tests/fake_cuda.py); loop bodies multiplied by their trip count. Written by "
              "`python benchmarks/gpu_cost.py inductor`.",
         torch=torch.__version__, triton=triton.__version__, python=platform.python_version(), rule=rule,
-        window=window, shapes=shp, cases=rows), indent=1) + "\n")
+        window=window, shapes=shp, cases=rows, fused=fused_rows), indent=1) + "\n")
+
+
+def lower_fused(n: int, shp: dict, d_ones: int) -> dict:
+    """The planned fused form's two flex_attention calls (`../shared/spikes/flex-signals/`, with the 8B's GQA) on a
+    one-call prefill of `n` tokens, captured by Dynamo and lowered for a fake sm_90: Inductor's byte count. The
+    forward attends with `enable_gqa`; the transposed call takes each KV head's keys as queries and its group's
+    queries (a view, group-major) as keys, its score minus each query's log-sum-exp, under the transposed causal
+    mask; its log-sum-exp per key is the key's column sum. The window block is not part of it."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import fake_cuda
+    import torch
+    from torch._inductor.graph import GraphLowering
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+    H, h, d = shp["H"], shp["h"], shp["d"]
+    g = H // h
+    captured = {}
+
+    def grab(gm, ex):
+        captured["gm"], captured["ex"] = gm, ex
+        return gm.forward
+
+    def two_calls(q, k, v, ones, bm, bm_t):
+        out, aux = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_aux=AuxRequest(lse=True))
+        lse = aux.lse.reshape(1, h, g * n)  # query head j*g+i of KV head j: rows i*n.. of its group
+        _, aux_t = flex_attention(k, q.reshape(1, h, g * n, d), ones, block_mask=bm_t,
+                                  score_mod=lambda s, b, hh, ki, qi: s - lse[b, hh, qi],
+                                  return_aux=AuxRequest(lse=True))
+        return out, aux_t.lse.exp()
+
+    q = torch.zeros(1, H, n, d, dtype=torch.bfloat16)
+    k = torch.zeros(1, h, n, d, dtype=torch.bfloat16)
+    ones = torch.ones(1, h, g * n, d_ones, dtype=torch.bfloat16)
+    bm = create_block_mask(lambda b, hh, qi, ki: qi >= ki, 1, None, n, n, device="cpu")
+    bm_t = create_block_mask(lambda b, hh, ki, qi: (qi % n) >= ki, 1, None, n, g * n, device="cpu")
+    torch.compile(two_calls, backend=grab, fullgraph=True)(q, k, k.clone(), ones, bm, bm_t)
+    graphs = []
+    orig = GraphLowering.codegen
+
+    def codegen(self, *a, **kw):
+        r = orig(self, *a, **kw)
+        graphs.append(self.count_bytes())
+        return r
+
+    GraphLowering.codegen = codegen
+    try:
+        t = time.perf_counter()
+        low = fake_cuda.lower(captured["gm"], captured["ex"], sm=90, cubins=False)
+    finally:
+        GraphLowering.codegen = orig
+    nodes = [dict(node=node.get_name(), type=type(node).__name__, bytes=elems * 4)
+             for _, counts, _ in graphs for node, elems in counts if elems]
+    return dict(kind="fused_prefill", n=n, d_ones=d_ones, bytes=sum(x[0] for x in graphs), kernels=len(low.kernels),
+                externs=low.externs, fallbacks=low.fallbacks, nodes=nodes, lower_s=round(time.perf_counter() - t, 1))
