@@ -242,3 +242,24 @@ def test_cpu_inductor_flex_is_refused_by_name():
     gm = m.forward.graphs[0]
     with pytest.raises(NotImplementedError, match=r"measure='flex' cannot compile with Inductor on a CPU"):
         make_backend("snapkv", inner="inductor", measure="flex", window=4)(gm, [])
+
+
+def test_eager_kernel_calls_flex_compiled(monkeypatch):
+    """Eagerly on a GPU the flex form calls flex through its own `torch.compile` (called plain, flex writes the n x C
+    scores). The same route on a CPU, with aot_eager standing in for Inductor (whose CPU flex returns no LSE): the
+    compiled call runs inside the eager pass's TorchFunctionMode, is actually used, and gives the plain op's result."""
+    from fxbudget.kernel import flex_measure
+
+    monkeypatch.setitem(flex_measure.EAGER_FLEX_BACKEND, "cpu", "aot_eager")
+    monkeypatch.setattr(flex_measure, "_COMPILED", {})
+    ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for form in ("blocks", "flex"):
+        m = fxbudget.compile(tiny_model("qwen2", layers=1), rule="snapkv", budget=12, chunk_size=16,
+                             backend=None, measure=form, window=4)
+        runs[form] = _generate(m, ids)
+    assert list(flex_measure._COMPILED) == ["aot_eager"]
+    (la, ca), (lb, cb) = runs["blocks"], runs["flex"]
+    torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-5)
+    for x, y in zip(ca.layers, cb.layers):
+        assert torch.equal(x.pos, y.pos)

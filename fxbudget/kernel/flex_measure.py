@@ -86,8 +86,8 @@ def flex_attend(q: Tensor, k_slots: Tensor, v_slots: Tensor, slot_pos: Tensor, k
     vis_blk, full_blk = _visibility(kpos, qpos, sliding)  # [b, h, nq, nk]
     vis_q, full_q = (x.repeat_interleave(g, dim=1) for x in (vis_blk, full_blk))  # per query head
     mask = _block_mask(vis_q, full_q, mask_mod, (n, C))
-    out, aux = flex_attention(q, k_all, v_all, block_mask=mask, scale=scale, enable_gqa=True,
-                              return_aux=AuxRequest(lse=True))
+    flex = fused_flex(q.device)
+    out, aux = flex(q, k_all, v_all, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
 
     # The transposed call: per KV head of `k_all` (h, or 1 pooled), its `heads` query heads' queries, each head's
     # padded to whole blocks so that a key block of the folded axis is one (head, query block).
@@ -114,8 +114,8 @@ def flex_attend(q: Tensor, k_slots: Tensor, v_slots: Tensor, slot_pos: Tensor, k
         return x.view(b, hk, heads, nq, nk).permute(0, 1, 4, 2, 3).reshape(b, hk, nk, heads * nq)
 
     mask_t = _block_mask(transpose(vis_q), transpose(full_q), mask_mod_t, (C, heads * n_pad))
-    _, aux_t = flex_attention(k_all, qf, qf, score_mod=score_mod_t, block_mask=mask_t, scale=scale,
-                              return_aux=AuxRequest(lse=True))
+    _, aux_t = flex(k_all, qf, qf, score_mod=score_mod_t, block_mask=mask_t, scale=scale,
+                    return_aux=AuxRequest(lse=True))
     acc = torch.promote_types(dtype, torch.float32)
     col = aux_t.lse.to(acc).exp()  # [b, hk, C]: exp(-inf) = 0 for a candidate no query sees
     if pooled:  # a pool slot is visible to its owner's queries only: the column sum is that head's
@@ -123,6 +123,33 @@ def flex_attend(q: Tensor, k_slots: Tensor, v_slots: Tensor, slot_pos: Tensor, k
     else:
         attn = col
     return out.to(v_new.dtype), attn
+
+
+# Which `flex_attention` an eager call uses, per device type: torch's flex is fused only when compiled; called eagerly
+# it runs its math reference, which writes the n x C scores this form exists to avoid. So an eager (uncompiled) kernel
+# on a GPU calls flex through its own `torch.compile` (Inductor's flex templates; the block masks and positions are
+# that small graph's inputs). Inside a traced graph (the SDPA pass's `make_fx`, Dynamo) the plain op is recorded and
+# the graph's backend lowers it. A CPU calls the plain op: its Inductor flex returns no log-sum-exp.
+EAGER_FLEX_BACKEND = {"cuda": "inductor"}
+_COMPILED: dict[str, object] = {}
+
+
+def fused_flex(device: torch.device):
+    """`flex_attention`, compiled with `EAGER_FLEX_BACKEND[device type]` when called outside a traced graph."""
+    backend = EAGER_FLEX_BACKEND.get(torch.device(device).type)
+    if backend is None or torch.compiler.is_compiling() or _tracing():
+        return flex_attention
+    if backend not in _COMPILED:
+        # Dynamo's automatic dynamic shapes: a second call length recompiles once with symbolic lengths, so an eager
+        # run over many lengths stays far from the recompile limit.
+        _COMPILED[backend] = torch.compile(flex_attention, backend=backend)
+    return _COMPILED[backend]
+
+
+def _tracing() -> bool:
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None
 
 
 def _visibility(kpos: Tensor, qpos: Tensor, sliding: int) -> tuple[Tensor, Tensor]:
