@@ -12,7 +12,7 @@
 
 Modules: `parser` (the options), `preflight` (what is checked before a model loads), one module per command
 (`compare`, `search`, `info`: report, rules, tasks, inspect), `names` (rule, task, protocol and dtype names),
-`sizes` (the size checks and the time estimate) and `rules_table`. torch and transformers are imported by the
+`sizes` (the size checks and the time estimate), `folder` (one `--out` holds one grid) and `rules_table`. torch and transformers are imported by the
 commands that need them, not here.
 
 May import every package (`harness`, `api` and all below them); nothing imports it but `demo`.
