@@ -80,6 +80,14 @@ def test_documented_commands_never_share_a_folder_and_the_readme_names_the_secon
     assert "docs/embedded-models.md" in line, line
 
 
+def test_a_report_of_two_models_names_them_as_the_cause_of_two_kernels():
+    rows = [row("snapkv", 0), row("snapkv", 0, model="other", kernel_fingerprint="cd" * 32)]
+    rows[1]["key"] += "|other"
+    text = R.markdown(rows, [])
+    assert "**2 different kernel fingerprints** — the rows are of 2 models (merged folders?)" in text
+    assert "rules did not run the same kernel" not in text
+
+
 # --- item 4: the small traps ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", ["0", "300,0", "-5"])

@@ -172,6 +172,9 @@ def _header(rows: list[dict], sort: str) -> list[str]:
                  r["task"] == "list_keys" for r in rows) else "."),
              "- kernel: " + (f"one shared kernel for every rule (fingerprint `{next(iter(prints))[:16]}`{source})"
                              if len(prints) == 1 else
+                             f"**{len(prints)} different kernel fingerprints** — the rows are of {len(models)} models "
+                             "(merged folders?), each model its own kernel: compare rules within one model"
+                             if len(prints) > 1 and len(models) > 1 else
                              f"**{len(prints)} different kernel fingerprints** — rules did not run the same kernel"
                              if prints else "no budgeted rows"),
              "- observation window (last queries of a call whose attention `window_attn` sums; one per comparison): "
