@@ -166,3 +166,14 @@ def test_the_readme_says_how_many_threads_its_cpu_time_is_on():
     wall = json.loads((ROOT / "docs" / "quickstart" / "wall.json").read_text())
     assert threads == {wall["torch_threads"]} == {1} and wall["command"].startswith("OMP_NUM_THREADS=1 ")
     assert "OMP_NUM_THREADS=1" in sentence and "one torch thread" in sentence, sentence
+
+
+def test_the_demo_on_another_model_has_its_own_folder():
+    from fxbudget.demo import demo_args
+
+    def out(args):
+        return args[len(args) - 1 - args[::-1].index("--out") + 1]
+
+    assert out(demo_args([])) == "runs/demo"
+    assert out(demo_args(["--model", "gemma3-270m"])) == "runs/demo_gemma3-270m"  # make demo-gemma
+    assert out(demo_args(["--model=gemma3-270m", "--out", "runs/g"])) == "runs/g"
