@@ -68,9 +68,10 @@ class BudgetLayer(CacheLayerMixin):
         self.layer, self.budget, self.slots, self.sliding = layer, budget, slots, sliding
         self.pooled = bool(pooled) and not sliding  # sliding layers hold their window, not a budget: never pooled
         self.is_sliding = bool(sliding)
-        self.dtype, self.device = dtype, device
         self.batch_size, self.num_heads = batch_size, kv_heads
         self.keys = torch.zeros(batch_size, kv_heads, slots, head_dim, dtype=dtype, device=device)
+        # The device as the tensors report it ("cuda" resolves to "cuda:0"): compared with a weight's or a call's.
+        self.dtype, self.device = dtype, self.keys.device
         self.values = torch.zeros(batch_size, kv_heads, slots, v_head_dim, dtype=dtype, device=device)
         self.pos = torch.full((batch_size, kv_heads, slots), -1, dtype=torch.long, device=device)
         self.state = torch.zeros(batch_size, kv_heads, slots, dtype=torch.float32, device=device)

@@ -89,7 +89,8 @@ class BudgetForward:
         else:
             self._runner = compiled_forward(model, self.original, make_backend(
                 rule, inner=backend, on_graph=self.graphs.append, block=block, cudagraphs=cudagraphs,
-                budget_ints=False, measure=measure))  # compiled, never hashed (kernel_fingerprint traces its own)
+                budget_ints=False, measure=measure), cudagraphs=cudagraphs)  # compiled, never hashed
+            # (kernel_fingerprint traces its own)
             self._run = self._run_compiled
 
     def install(self) -> nn.Module:
@@ -370,4 +371,5 @@ def frozen_runner(model: nn.Module, backend: str, window: int, *, block: int | N
     forward = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
     return compiled_forward(model, forward, make_backend("window", inner=backend, on_graph=on_graph, block=block,
                                                          cudagraphs=cudagraphs, observation_window=window,
-                                                         budget_ints=False, measure=measure))
+                                                         budget_ints=False, measure=measure),
+                            cudagraphs=cudagraphs)

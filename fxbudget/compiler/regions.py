@@ -128,8 +128,9 @@ def _output_collector():
 class CompiledLayers:
     """Decoder layers whose forwards run compiled regions while `installed()`; one code object per configuration."""
 
-    def __init__(self, layers: list[nn.Module], backend, on_layer: Callable[[tuple], None] | None = None):
-        self.layers, self.backend, self.on_layer = layers, backend, on_layer
+    def __init__(self, layers: list[nn.Module], backend, on_layer: Callable[[tuple], None] | None = None,
+                 cudagraphs: bool = False):
+        self.layers, self.backend, self.on_layer, self.cudagraphs = layers, backend, on_layer, cudagraphs
         self._regions: dict[tuple, Callable] = {}
 
     @staticmethod
@@ -153,6 +154,12 @@ class CompiledLayers:
             cache_layer = kwargs[name].layers[i]
             with _collector_readable():
                 out = self.region(layer, cache_layer)(layer, args, {**kwargs, name: LayerCacheView(cache_layer)})
+            if self.cudagraphs:
+                # Layers of one configuration replay one CUDA graph, whose outputs live in its static buffers: the
+                # next layer's replay would overwrite this one's hidden states while the model still reads them
+                # (measured on an H200, torch 2.11: "accessing tensor output of CUDAGraphs that has been
+                # overwritten"). A copy of one decode step's hidden states per layer is small.
+                out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
             if self.on_layer is not None:
                 self.on_layer(self.key(layer, cache_layer))
             return out
@@ -172,17 +179,18 @@ class CompiledLayers:
 
 
 def compiled_forward(model: nn.Module, forward: Callable, backend,
-                     on_layer: Callable[[tuple], None] | None = None) -> Callable[..., Any]:
+                     on_layer: Callable[[tuple], None] | None = None, cudagraphs: bool = False) -> Callable[..., Any]:
     """`forward(**kwargs)` (the model's unmodified forward) with its attention compiled by `backend`.
 
     Per-layer regions when the model has a list of decoder layers (see the module docstring), else one whole-model
     graph. Each call returns a runner with its own Dynamo caches. `on_layer(key)` is called after each decoder
-    layer's region ran (`CompiledLayers.key`; never on the whole-model path).
+    layer's region ran (`CompiledLayers.key`; never on the whole-model path). `cudagraphs`: the backend wraps graphs
+    in CUDA graphs (each region's outputs are then copied out of the graph's buffers).
     """
     layers = decoder_layers(model)
     if layers is None or any("forward" in vars(layer) for layer in layers):
         return whole_model_forward(forward, backend)
-    compiled = CompiledLayers(layers, backend, on_layer)
+    compiled = CompiledLayers(layers, backend, on_layer, cudagraphs=cudagraphs)
 
     def run(**kwargs):
         with compiled.installed(), _strict():
