@@ -74,8 +74,6 @@ def make_backend(rule: str | Rule = "snapkv", *, inner: str = "inductor",
     rule = get(rule, **rule_params)
     window = kernel_window(rule) if observation_window is None else observation_window
     sliding_rule = get("window")
-    if inner == "inductor" and measure == "auto":
-        measure = "blocks"  # until Inductor lowers the flex form (docs/gpu.md, "The measure phase on a GPU")
 
     def fxbudget_backend(gm: fx.GraphModule, example_inputs, **kwargs):
         report = rewrite(gm, rule, window, sliding_rule, block, budget_ints=budget_ints, measure=measure)

@@ -3,6 +3,8 @@ phase's form."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 DEFAULT_WINDOW = 32  # observation window shared by all rules of a run (snapkv's paper default)
@@ -32,10 +34,11 @@ def check_block(block) -> None:
 
 
 # The measure phase's form (`measure.measure`), a kernel setting shared by every rule of a run: "blocks" (query blocks
-# against every candidate, `attention.Block`: the fastest exact form on a CPU), "flex" (two fused `flex_attention`
-# calls and a window block, `flex_measure`: no n x C scores, for GPUs), or "auto": "flex" where the queries are on a
-# CUDA device (ROCm builds report "cuda" too), "blocks" elsewhere. Both forms give the same signals (exact within
-# float rounding), so a rule cannot tell; each form has its own kernel fingerprint. docs/gpu.md.
+# against every candidate, `attention.Block`), "flex" (two fused `flex_attention` calls and a window block,
+# `flex_measure`: no n x C scores, meant for GPUs), or "auto", which is "blocks" on every device today. The flex form is
+# exact on a CPU (tests/test_flex_measure.py), but on an H200 (torch 2.11, compiled flex) its `attn` came out wrong
+# while its output was right (benchmarks/results/gpu_lease.md): it runs only where it was verified
+# (`FLEX_VERIFIED`), or anywhere with FXBUDGET_UNVERIFIED_FLEX=1 (to debug it on a GPU). docs/gpu.md.
 MEASURE_FORMS = ("auto", "blocks", "flex")
 DEFAULT_MEASURE = "auto"
 
@@ -45,9 +48,23 @@ def check_measure(form) -> None:
         raise ValueError(f"measure must be one of {MEASURE_FORMS} (the kernel's measure phase), got {form!r}")
 
 
+# Device types where the flex form's signals were checked against the block form's.
+FLEX_VERIFIED = ("cpu",)
+UNVERIFIED_FLEX_ENV = "FXBUDGET_UNVERIFIED_FLEX"
+
+
 def measure_form(form: str, device: torch.device) -> str:
-    """The form a call runs: `form`, with "auto" resolved by the queries' device."""
+    """The form a call runs: `form`, with "auto" resolved ("blocks").
+
+    Raises:
+        RuntimeError: "flex" on a device where its signals were not verified (unless FXBUDGET_UNVERIFIED_FLEX=1).
+    """
     check_measure(form)
     if form == "auto":
-        return "flex" if torch.device(device).type == "cuda" else "blocks"
+        return "blocks"
+    kind = torch.device(device).type
+    if form == "flex" and kind not in FLEX_VERIFIED and os.environ.get(UNVERIFIED_FLEX_ENV) != "1":
+        raise RuntimeError(f"fxbudget: measure='flex' is not verified on {kind}: on an H200 (torch 2.11) its attn "
+                           f"signal came out wrong (docs/gpu.md); use measure='blocks' (the default), or set "
+                           f"{UNVERIFIED_FLEX_ENV}=1 to run it anyway")
     return form
