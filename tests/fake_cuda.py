@@ -164,15 +164,24 @@ class Lowered:
 
 def _driver(sm: int):
     from triton.backends.compiler import GPUTarget
-    from triton.backends.driver import DriverBase
     from triton.backends.nvidia.driver import ty_to_cpp
 
-    class FakeCudaDriver(DriverBase):
+    return fake_driver("CUDA", GPUTarget("cuda", sm, 32), ty_to_cpp,
+                       get_device_capability=lambda device=None: divmod(sm, 10))
+
+
+def fake_driver(name: str, target, ty_to_cpp, **extra):
+    """A Triton driver that reports `target` and one device (0), runs nothing and benchmarks nothing: what Triton and
+    Inductor ask of the active driver while compiling. `name` ("CUDA", "HIP") names it in errors; `extra` are more
+    attributes (the CUDA driver's `get_device_capability`)."""
+    from triton.backends.driver import DriverBase
+
+    class FakeDriver(DriverBase):
         def __init__(self):
-            self.get_device_capability = lambda device=None: divmod(sm, 10)
             self.get_current_device = lambda: 0
             self.set_current_device = lambda d: None
             self.get_current_stream = lambda d=None: 0
+            vars(self).update(extra)
 
         @staticmethod
         def is_active():
@@ -182,7 +191,7 @@ def _driver(sm: int):
             return ty_to_cpp(ty)
 
         def get_current_target(self):
-            return GPUTarget("cuda", sm, 32)
+            return target
 
         def get_active_torch_device(self):
             return torch.device("cuda", 0)
@@ -191,12 +200,12 @@ def _driver(sm: int):
             return torch.cuda
 
         def get_benchmarker(self):
-            raise FakeCudaError("fake CUDA driver: nothing can be benchmarked")
+            raise FakeCudaError(f"fake {name} driver: nothing can be benchmarked")
 
         def get_empty_cache_for_benchmark(self):
-            raise FakeCudaError("fake CUDA driver: nothing can be benchmarked")
+            raise FakeCudaError(f"fake {name} driver: nothing can be benchmarked")
 
-    return FakeCudaDriver()
+    return FakeDriver()
 
 
 @functools.cache

@@ -92,37 +92,8 @@ _MFMA = re.compile(r"\bv_mfma_\w+")
 def _driver(arch: str):
     from triton.backends.amd.driver import ty_to_cpp
     from triton.backends.compiler import GPUTarget
-    from triton.backends.driver import DriverBase
 
-    class FakeHipDriver(DriverBase):
-        def __init__(self):
-            self.get_current_device = lambda: 0
-            self.set_current_device = lambda d: None
-            self.get_current_stream = lambda d=None: 0
-
-        @staticmethod
-        def is_active():
-            return True
-
-        def map_python_to_cpp_type(self, ty):
-            return ty_to_cpp(ty)
-
-        def get_current_target(self):
-            return GPUTarget("hip", arch, 64)
-
-        def get_active_torch_device(self):
-            return torch.device("cuda", 0)
-
-        def get_device_interface(self):
-            return torch.cuda
-
-        def get_benchmarker(self):
-            raise FakeCudaError("fake HIP driver: nothing can be benchmarked")
-
-        def get_empty_cache_for_benchmark(self):
-            raise FakeCudaError("fake HIP driver: nothing can be benchmarked")
-
-    return FakeHipDriver()
+    return fake_cuda.fake_driver("HIP", GPUTarget("hip", arch, 64), ty_to_cpp)
 
 
 @contextlib.contextmanager
