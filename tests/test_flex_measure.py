@@ -219,10 +219,9 @@ def _generate(m, ids, steps=3, chunk=None):
     return torch.stack(logits), out.past_key_values
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager"])
-def test_model_flex_equals_blocks(backend):
-    """A tiny GQA model, chunked prefill with eviction then decode, eagerly and under aot_eager: the same logits
-    (fp32 rounding) and the same cache."""
+def assert_model_flex_equals_blocks(backend):
+    """A tiny GQA model, chunked prefill with eviction then decode, in both forms: the same logits (fp32 rounding)
+    and the same cache."""
     ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(0))
     runs = {}
     for form in ("blocks", "flex"):
@@ -233,6 +232,11 @@ def test_model_flex_equals_blocks(backend):
     torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-5)
     for x, y in zip(ca.layers, cb.layers):
         assert torch.equal(x.pos, y.pos)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_model_flex_equals_blocks(backend):
+    assert_model_flex_equals_blocks(backend)
 
 
 def test_cpu_inductor_flex_is_refused_by_name():
@@ -259,14 +263,5 @@ def test_eager_kernel_calls_flex_compiled(monkeypatch):
 
     monkeypatch.setitem(flex_measure.EAGER_FLEX_BACKEND, "cpu", "aot_eager")
     monkeypatch.setattr(flex_measure, "_COMPILED", {})
-    ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(0))
-    runs = {}
-    for form in ("blocks", "flex"):
-        m = fxbudget.compile(tiny_model("qwen2", layers=1), rule="snapkv", budget=12, chunk_size=16,
-                             backend=None, measure=form, window=4)
-        runs[form] = _generate(m, ids)
+    assert_model_flex_equals_blocks(None)
     assert list(flex_measure._COMPILED) == ["aot_eager"]
-    (la, ca), (lb, cb) = runs["blocks"], runs["flex"]
-    torch.testing.assert_close(lb, la, rtol=1e-4, atol=1e-5)
-    for x, y in zip(ca.layers, cb.layers):
-        assert torch.equal(x.pos, y.pos)
