@@ -139,4 +139,6 @@ def test_docs_site_has_the_first_hour_pages_and_stands_on_its_own():
         assert (ROOT / "docs" / page).is_file() or (ROOT / page).is_file(), page
     assert "README" not in (ROOT / "docs" / "index.md").read_text()  # the home page does not send readers away
     gpu = (ROOT / "docs" / "gpu.md").read_text()
-    assert "--device cuda --dtype bfloat16" in gpu and "Not run" in gpu
+    # What ran on a GPU (the H200 lease), and that the hub commands did not.
+    assert "--device cuda --dtype bfloat16" in gpu and "What ran on a GPU" in gpu
+    assert "have not been run on a GPU" in gpu
