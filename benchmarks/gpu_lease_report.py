@@ -277,8 +277,8 @@ def page() -> str:
            "Run 2 kept no status file: a step counts as finished when its last row is its `key` line. "
            "The boxes are the seconds each step had (`benchmarks/gpu_lease.py`'s `BOXES` in run 1, run2.sh's in "
            f"run 2); the rows that time a cold compile (with its first run) took {lo:.1f}-{hi:.1f} s each ({len(comp)} "
-           "rows: decode sides, the spread's rules, the compiled checks), and a step holds several: the compiled steps' boxes were "
-           "too short for them.", "",
+           "rows: decode sides, the spread's rules, the compiled checks), and a step holds several: the compiled "
+           "steps' boxes were too short for them.", "",
            "## Prefill (one call, Llama-3.1-8B config, 2 layers, bf16, batch 1, snapkv B = 1024)", "",
            *pre_lines, "",
            "Seconds of one call after a 64-token warm-up call (`benchmarks/long_context.py`'s `_Peak`); peak memory "
