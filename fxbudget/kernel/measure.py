@@ -18,7 +18,7 @@ from .attention import Block, loop_blocks
 from .block_scan import scan_blocks
 from .flex_measure import flex_attend
 from .settings import DEFAULT_BLOCK, DEFAULT_MEASURE, auto_block, measure_form
-from .signals import TOKEN_SIGNALS, check_left_padded, window_max
+from .signals import TOKEN_SIGNALS, check_left_padded, window_block, window_max
 from .state import SIGNAL_NAMES, TOTALED, LayerConstants, LayerSlots, NewTokens
 
 
@@ -112,13 +112,9 @@ def _flex(blk: Block, q, queries_acc, k_slots, v_slots, k_new, v_new, qpos, weig
           sliding: int):
     """The flex form (`flex_measure`): the output and `attn` fused, the window signals from one `Block` over the
     last `w` queries. Returns what the block forms return: out, sums over slots and new tokens, the window max."""
-    b, h, S = blk.slot_pos.shape
-    n = qpos.shape[1]
+    S = blk.slot_pos.shape[-1]
     out, attn = flex_attend(q, k_slots, v_slots, blk.slot_pos, k_new, v_new, qpos, scale=scale, sliding=sliding)
-    g = queries_acc.shape[2] // n
-    q_w = queries_acc.view(b, h, g, n, -1)[:, :, :, n - w:].reshape(b, h, g * w, -1)
-    c0 = max(0, n - w - sliding + 1) if sliding else 0  # new tokens before c0 are outside every window query's band
-    _, s_s, s_n, m_s, m_n = blk(q_w, qpos[:, n - w:], weights[..., n - w:], c0, n, win=(0, w))
+    s_s, s_n, m_s, m_n, c0 = window_block(blk, queries_acc, qpos, weights, w)
     sig_s = torch.cat([attn[:, :, None, :S].to(s_s.dtype), s_s[:, :, 1:]], dim=2)
     sig_n = torch.cat([attn[:, :, None, S:].to(s_n.dtype), F.pad(s_n[:, :, 1:], (c0, 0))], dim=2)
     return out, sig_s, sig_n, torch.cat([m_s, F.pad(m_n, (c0, 0))], dim=-1)

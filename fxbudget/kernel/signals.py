@@ -106,14 +106,22 @@ def check_left_padded(new_pos: Tensor) -> None:
         raise ValueError("new_pos: pads (-1) must come before a row's tokens (left padding), found a token before a pad")
 
 
-def window_max(blk, queries: Tensor, qpos: Tensor, weights: Tensor, w: int) -> Tensor:
-    """`window_max_attn` of a traced call of several query blocks: the call's last `w` queries (the window, pads
-    first) attended once more as one block (`attention.Block`, the same softmax), `[b, h, S + n]`. A sliding
-    layer's window sees only the new tokens from `w + sliding - 1` before the call's end."""
+def window_block(blk, queries: Tensor, qpos: Tensor, weights: Tensor, w: int):
+    """The call's last `w` queries (the window, pads first) attended once more as one block (`attention.Block`, the
+    same softmax): `(sums over slots, sums over new tokens from c0, max over slots, max over new tokens from c0,
+    c0)`.
+    A sliding layer's window sees only the new tokens from `c0 = n - w - sliding + 1` on."""
     b, h, gn, d = queries.shape
     n = qpos.shape[1]
     g = gn // n
     q_w = queries.view(b, h, g, n, d)[:, :, :, n - w:].reshape(b, h, g * w, d)
     c0 = max(0, n - w - blk.sliding + 1) if blk.sliding else 0
-    _, _, _, m_s, m_n = blk(q_w, qpos[:, n - w:], weights[..., n - w:], c0, n, win=(0, w))
+    _, s_s, s_n, m_s, m_n = blk(q_w, qpos[:, n - w:], weights[..., n - w:], c0, n, win=(0, w))
+    return s_s, s_n, m_s, m_n, c0
+
+
+def window_max(blk, queries: Tensor, qpos: Tensor, weights: Tensor, w: int) -> Tensor:
+    """`window_max_attn` of a traced call of several query blocks: the window's block (`window_block`),
+    `[b, h, S + n]`."""
+    _, _, m_s, m_n, c0 = window_block(blk, queries, qpos, weights, w)
     return torch.cat([m_s, F.pad(m_n, (c0, 0))], dim=-1)
