@@ -103,16 +103,18 @@ def test_calls_within_the_window_keep_the_block_form(n):
 
 
 def test_measure_form_resolves_by_device(monkeypatch):
-    """"auto" is the block form everywhere; "flex" runs where verified, elsewhere only on purpose (the H200 run found
-    its attn wrong there)."""
+    """"auto" is the block form on a CPU and the flex form on CUDA (ROCm's torch device too); "flex" runs where
+    verified, elsewhere only on purpose."""
     assert measure_form("auto", torch.device("cpu")) == "blocks"
-    assert measure_form("auto", torch.device("cuda", 0)) == "blocks"
+    assert measure_form("auto", torch.device("cuda", 0)) == "flex"
+    assert measure_form("auto", torch.device("meta")) == "blocks"
     assert measure_form("flex", torch.device("cpu")) == "flex"
-    monkeypatch.delenv("FXBUDGET_UNVERIFIED_FLEX", raising=False)
-    with pytest.raises(RuntimeError, match=r"measure='flex' is not verified on cuda: .*FXBUDGET_UNVERIFIED_FLEX=1"):
-        measure_form("flex", torch.device("cuda", 0))
-    monkeypatch.setenv("FXBUDGET_UNVERIFIED_FLEX", "1")
     assert measure_form("flex", torch.device("cuda", 0)) == "flex"
+    monkeypatch.delenv("FXBUDGET_UNVERIFIED_FLEX", raising=False)
+    with pytest.raises(RuntimeError, match=r"measure='flex' is not verified on xpu .*FXBUDGET_UNVERIFIED_FLEX=1"):
+        measure_form("flex", torch.device("xpu", 0))
+    monkeypatch.setenv("FXBUDGET_UNVERIFIED_FLEX", "1")
+    assert measure_form("flex", torch.device("xpu", 0)) == "flex"
     with pytest.raises(ValueError, match=r"measure must be one of \('auto', 'blocks', 'flex'\)"):
         measure_form("fused", torch.device("cpu"))
     with pytest.raises(ValueError, match="measure must be one of"):
@@ -196,6 +198,32 @@ def test_block_lists_cover_the_mask(sliding):
     assert bool((~vis).any()) and bool(full.any() or sliding), "the lists skip nothing, or none is full: not tested"
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["per-head", "pool"])
+def test_block_lists_read_as_a_gpu_kernel_reads_them(monkeypatch, pooled):
+    """Flex's GPU kernel reads a BlockMask's lists at row-major offsets, whatever the tensors' strides: the lists of
+    both calls (the transposed one's built from transposed views) must mean the same read that way. On an H200 the
+    strided lists of an argsort over a transposed view made `attn` 1.48x too large (gpu_lease.md, run 4)."""
+    from torch.nn.attention import flex_attention as fa
+
+    from fxbudget.kernel import flex_measure
+
+    masks = []
+
+    def recording(*args, block_mask, **kwargs):
+        masks.append(block_mask)
+        return fa.flex_attention(*args, block_mask=block_mask, **kwargs)
+
+    monkeypatch.setattr(flex_measure, "fused_flex", lambda device: recording)
+    _measure("flex", *_inputs(pooled=pooled, b=1, h=2, g=3, S=150, held=100, n=300, d=8, left_pads=(0,)),
+             pooled=pooled, window=4)
+    assert len(masks) == 2
+    for m in masks:
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            t = getattr(m, name)
+            raw = torch.as_strided(t, t.shape, torch.empty(t.shape).stride(), t.storage_offset())
+            assert torch.equal(raw, t), f"{name} of a {m.shape} mask reads differently at row-major offsets"
+
+
 def test_fingerprint_one_for_all_rules_per_form():
     """The traced measure phase is the same graph for every rule in the flex form, and holds flex_attention;
     "auto" on a CPU traces the block form."""
@@ -265,3 +293,17 @@ def test_eager_kernel_calls_flex_compiled(monkeypatch):
     monkeypatch.setattr(flex_measure, "_COMPILED", {})
     assert_model_flex_equals_blocks(None)
     assert list(flex_measure._COMPILED) == ["aot_eager"]
+
+
+def test_compiled_flex_fails_loudly_past_its_recompile_limit(monkeypatch):
+    """Past the compiled flex's recompile limit a call raises instead of running flex's eager math path (the n x C
+    scores the form exists to avoid); the default limit covers a model with sliding and full layers, chunked."""
+    from fxbudget.kernel import flex_measure
+
+    monkeypatch.setitem(flex_measure.EAGER_FLEX_BACKEND, "cpu", "aot_eager")
+    monkeypatch.setattr(flex_measure, "_COMPILED", {})
+    monkeypatch.setattr(flex_measure, "FLEX_RECOMPILE_LIMIT", 1)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        _measure("flex", *_inputs(**CALLS["prefill"]), window=4)
+    torch._dynamo.reset()

@@ -5,14 +5,14 @@ Why: today's form (`attention.Block`, query blocks against every candidate) writ
 that is the fastest exact way; on a GPU the unmodified model's SDPA (flash) never writes them, and a kernel that does
 is bound by memory traffic. Only `attn` reads every query; it has an exact fused form:
 
-1. `flex_attention` over slots + new tokens (queries `[b, q_heads, n, d]`, keys/values `[b, kv_heads, C, d]` with
-   `enable_gqa`: K/V are never copied per query head), with a block mask built from the positions (`_visibility`:
-   causal, pads (-1) never visible, the sliding window) and `AuxRequest(lse=True)`: the output and each query's
-   log-sum-exp `lse_q`.
-2. The transposed call: the candidates are the queries, the KV group's queries (each head's padded to whole blocks)
-   folded into the key axis, the score_mod subtracts `lse_q`. Its own log-sum-exp per candidate `k` is
+1. `flex_attention` over slots + new tokens with the queries folded: per KV head, its query heads' queries end to
+   end on the query axis (`[b, kv_heads, g * n_pad, d]`, each head's padded to whole blocks; K/V are never copied
+   per query head), a block mask built from the positions (`_visibility`: causal, pads (-1) never visible, the
+   sliding window) and `AuxRequest(lse=True)`: the output and each folded row's log-sum-exp `lse_q`.
+2. The transposed call: the candidates are the queries, the folded rows the keys, the score_mod subtracts `lse_q`
+   (at the row's own index: no `enable_gqa` in either call). Its own log-sum-exp per candidate `k` is
    `log sum_q exp(s[q, k] - lse_q) = log sum_q P[q, k]`: `attn = exp(LSE_k)`, summed over the group's heads and every
-   valid query (pads see nothing). Its output is discarded (its values are the folded queries: no extra tensor).
+   valid query (pads see nothing). Its output is discarded (its values: `VALUE_DIM` zeros per row).
 3. `window_attn`, `last_attn` and `window_max_attn` read the call's last `w` queries: one `attention.Block` over them
    (the code today's form runs), `w x (S + n)` scores.
 `acc_attn`, the totals and the per-token signals are `measure`'s own, the same for both forms: a rule cannot tell.
@@ -30,7 +30,8 @@ cache once, which both forms do; the flex form would read the cache three times 
 Block masks are built at block granularity from per-block position bounds (`_visibility`, never an `n x C` mask):
 a block pair is listed if some pair in it may be visible (a superset: `mask_mod` decides within it) and marked full
 only if every pair is (then `mask_mod` is skipped there). The eager (CPU) path of flex ignores the block lists
-(it applies `mask_mod` everywhere); `tests/test_flex_measure.py` checks the lists against the dense mask.
+(it applies `mask_mod` everywhere); `tests/test_flex_measure.py` checks the lists against the dense mask, and that
+they read the same at row-major offsets, as the GPU kernel reads them (strided lists made `attn` wrong on an H200).
 
 Torch: `AuxRequest` (torch >= 2.9; the GPU image's 2.11 has it). Inductor's CPU flex does not return the LSE
 (torch 2.13: NotImplementedError): `check_backend` refuses that combination by name.
@@ -45,6 +46,8 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 # Flex's default sparse block (its Triton kernels tile within it).
 FLEX_BLOCK = 128
+# The transposed call's values (its output is discarded): the narrowest head flex's GPU kernels take.
+VALUE_DIM = 16
 
 
 def flex_attend(q: Tensor, k_slots: Tensor, v_slots: Tensor, slot_pos: Tensor, k_new: Tensor, v_new: Tensor,
@@ -74,48 +77,53 @@ def flex_attend(q: Tensor, k_slots: Tensor, v_slots: Tensor, slot_pos: Tensor, k
     kpos = torch.cat([slot_pos, new_kpos], dim=-1) if S else new_kpos.contiguous()  # [b, h, C]: per KV head
     C = kpos.shape[-1]
     dtype = k_all.dtype
-    q = q.to(dtype)
+    # The folded queries: per KV head of `k_all` (h, or the pool's 1), its `heads` query heads' queries end to end on
+    # the query axis, each head's padded to whole blocks (a free view of `q` when n is a multiple of the block). No
+    # `enable_gqa`: a folded row's log-sum-exp is then read by the transposed call at its own index.
+    hk = k_all.shape[1]
+    heads = hq // hk
+    vis_blk, full_blk = _visibility(kpos, qpos, sliding)  # [b, h, nq, nk]
+    nq = vis_blk.shape[2]
+    n_pad = nq * FLEX_BLOCK
+    qf = (F.pad(q, (0, 0, 0, n_pad - n)) if n_pad > n else q).to(dtype).reshape(b, hk, heads * n_pad, d)
+    # [b, heads * n_pad]: pads see nothing. A gather, not F.pad: Inductor 2.11 fails to inline a padding's `masked`
+    # load into flex's mask_mod (the H200 run).
+    at = torch.arange(n_pad, device=q.device)
+    qpos_f = torch.where(at < n, qpos[:, at.clamp(max=n - 1)], -1).repeat(1, heads)
+    # The head of `kpos` each folded row reads: its KV head (query head // g; in the pool, per query head).
+    row_kv = (torch.arange(hq, device=q.device) // g).view(hk, heads).repeat_interleave(n_pad, dim=1)
 
-    def visible(kp: Tensor, qp: Tensor) -> Tensor:
+    def kpos_at(bi, kv, ci) -> Tensor:  # kpos[bi, kv, ci], read from its two parts: Inductor 2.11 fails to inline
+        # the `masked` loads of a `cat` into flex's mask_mod (the codegen leg's chunk case, the H200 run)
+        if not S:
+            return new_kpos[bi, kv, ci]
+        return torch.where(ci < S, slot_pos[bi, kv, ci.clamp(max=S - 1)], new_kpos[bi, kv, (ci - S).clamp(min=0)])
+
+    def visible(bi, hi, ci, ri) -> Tensor:  # candidate ci against folded row ri (the transposed call's mask_mod)
+        kp, qp = kpos_at(bi, row_kv[hi, ri], ci), qpos_f[bi, ri]
         vis = (kp >= 0) & (kp <= qp)
         return vis & (kp > qp - sliding) if sliding else vis
 
-    def mask_mod(bi, hi, qi, ki):
-        return visible(kpos[bi, hi // g, ki], qpos[bi, qi])
+    def fold(x: Tensor) -> Tensor:  # block level [b, h, nq, nk] -> [b, hk, heads * nq, nk]: the folded rows' blocks
+        return x.repeat_interleave(g, dim=1).reshape(b, hk, heads * nq, x.shape[-1])
 
-    vis_blk, full_blk = _visibility(kpos, qpos, sliding)  # [b, h, nq, nk]
-    vis_q, full_q = (x.repeat_interleave(g, dim=1) for x in (vis_blk, full_blk))  # per query head
-    mask = _block_mask(vis_q, full_q, mask_mod, (n, C))
+    vis_f, full_f = fold(vis_blk), fold(full_blk)
     flex = fused_flex(q.device)
-    out, aux = flex(q, k_all, v_all, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    mask = _block_mask(vis_f, full_f, lambda bi, hi, ri, ci: visible(bi, hi, ci, ri), (heads * n_pad, C))
+    out, aux = flex(qf, k_all, v_all, block_mask=mask, scale=scale, return_aux=AuxRequest(lse=True))
+    out = out.view(b, hk, heads, n_pad, -1).reshape(b, hq, n_pad, -1)[:, :, :n]
 
-    # The transposed call: per KV head of `k_all` (h, or 1 pooled), its `heads` query heads' queries, each head's
-    # padded to whole blocks so that a key block of the folded axis is one (head, query block).
-    hk = k_all.shape[1]
-    heads = hq // hk
-    nq = vis_blk.shape[2]
-    n_pad = nq * FLEX_BLOCK
-    qf = F.pad(q, (0, 0, 0, n_pad - n)).reshape(b, hk, heads * n_pad, d)
-    qpos_pad = F.pad(qpos, (0, n_pad - n), value=-1)
-    # Rows with nothing visible (pads) have lse -inf; they are masked out, and a finite value keeps the algebra
-    # NaN-free wherever the score_mod is evaluated before the mask.
+    # The transposed call: the candidates are the queries, the folded rows the keys; the score_mod subtracts each
+    # row's log-sum-exp. Rows with nothing visible (pads) have lse -inf; they are masked out, and a finite value
+    # keeps the algebra NaN-free wherever the score_mod is evaluated before the mask. Its output is discarded: its
+    # values are VALUE_DIM zeros per row, so that the discarded P @ V stays small (a view of `qf` would alias two
+    # inputs of the compiled call: Dynamo 2.11 failed on it).
     lse = aux.lse.float() if aux.lse.dtype != torch.float64 else aux.lse
-    lse = F.pad(lse.masked_fill(lse == float("-inf"), 0.0), (0, n_pad - n))  # [b, hq, n_pad]
-
-    def mask_mod_t(bi, hi, ci, ri):
-        j = hi * heads + ri // n_pad
-        return visible(kpos[bi, j // g, ci], qpos_pad[bi, ri % n_pad])
-
-    def score_mod_t(s, bi, hi, ci, ri):
-        return s - lse[bi, hi * heads + ri // n_pad, ri % n_pad]
-
-    def transpose(x: Tensor) -> Tensor:  # [b, hq, nq, nk] -> [b, hk, nk, heads * nq]
-        nk = x.shape[-1]
-        return x.view(b, hk, heads, nq, nk).permute(0, 1, 4, 2, 3).reshape(b, hk, nk, heads * nq)
-
-    mask_t = _block_mask(transpose(vis_q), transpose(full_q), mask_mod_t, (C, heads * n_pad))
-    _, aux_t = flex(k_all, qf, qf, score_mod=score_mod_t, block_mask=mask_t, scale=scale,
-                    return_aux=AuxRequest(lse=True))
+    lse = lse.masked_fill(lse == float("-inf"), 0.0)  # [b, hk, heads * n_pad]
+    mask_t = _block_mask(vis_f.transpose(-1, -2), full_f.transpose(-1, -2), visible, (C, heads * n_pad))
+    _, aux_t = flex(k_all, qf, qf.new_zeros(b, hk, heads * n_pad, VALUE_DIM),
+                    score_mod=lambda s, bi, hi, ci, ri: s - lse[bi, hi, ri],
+                    block_mask=mask_t, scale=scale, return_aux=AuxRequest(lse=True))
     acc = torch.promote_types(dtype, torch.float32)
     col = aux_t.lse.to(acc).exp()  # [b, hk, C]: exp(-inf) = 0 for a candidate no query sees
     if pooled:  # a pool slot is visible to its owner's queries only: the column sum is that head's
@@ -132,6 +140,10 @@ def flex_attend(q: Tensor, k_slots: Tensor, v_slots: Tensor, slot_pos: Tensor, k
 # the graph's backend lowers it. A CPU calls the plain op: its Inductor flex returns no log-sum-exp.
 EAGER_FLEX_BACKEND = {"cuda": "inductor"}
 _COMPILED: dict[str, object] = {}
+# Both calls' graphs share one Dynamo cache: a graph per mask and score_mod, sliding window, empty or held slots, layout,
+# static then dynamic lengths (16 and more on a model with sliding layers), past Dynamo's default limit of 8, where a
+# call would silently run flex's eager math path (the n x C scores). A higher limit, and an error past it.
+FLEX_RECOMPILE_LIMIT = 64
 
 
 def fused_flex(device: torch.device):
@@ -142,8 +154,16 @@ def fused_flex(device: torch.device):
     if backend not in _COMPILED:
         # Dynamo's automatic dynamic shapes: a second call length recompiles once with symbolic lengths, so an eager
         # run over many lengths stays far from the recompile limit.
-        _COMPILED[backend] = torch.compile(flex_attention, backend=backend)
+        _COMPILED[backend] = _limited(torch.compile(flex_attention, backend=backend))
     return _COMPILED[backend]
+
+
+def _limited(compiled):
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def _tracing() -> bool:
@@ -180,7 +200,9 @@ def _block_mask(vis: Tensor, full: Tensor, mask_mod, lengths: tuple[int, int]) -
     and full blocks, each listed first in their row (a stable sort), counted."""
     partial = vis & ~full
 
-    def listed(x: Tensor):
+    def listed(x: Tensor):  # contiguous: flex's GPU kernel reads the lists with unit stride along a row (the
+        # transposed call's are built from transposed views; strided lists were misread on an H200)
+        x = x.contiguous()
         return x.sum(-1, dtype=torch.int32), torch.argsort((~x).to(torch.int8), dim=-1, stable=True).to(torch.int32)
 
     num, idx = listed(partial)

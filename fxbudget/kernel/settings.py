@@ -35,12 +35,14 @@ def check_block(block) -> None:
 
 # The measure phase's form (`measure.measure`), a kernel setting shared by every rule of a run: "blocks" (query blocks
 # against every candidate, `attention.Block`), "flex" (two fused `flex_attention` calls and a window block,
-# `flex_measure`: no n x C scores, meant for GPUs), or "auto", which is "blocks" on every device today. The flex form is
-# exact on a CPU (tests/test_flex_measure.py), but on an H200 (torch 2.11, compiled flex) its `attn` came out wrong
-# while its output was right (benchmarks/results/gpu_lease.md): it runs only where it was verified
-# (`FLEX_VERIFIED`), or anywhere with FXBUDGET_UNVERIFIED_FLEX=1 (to debug it on a GPU). docs/gpu.md.
+# `flex_measure`: no n x C scores, meant for GPUs), or "auto": `AUTO_FORM` of the device type, else "blocks" (the
+# CPU's fastest exact form). The flex form runs only where its signals were checked against the block form's
+# (`FLEX_VERIFIED`: the CPU in tests/test_flex_measure.py, CUDA on an H200 in benchmarks/results/gpu_lease.md; ROCm's
+# torch device is "cuda" too, lowered for gfx942 in the codegen leg, never run), or anywhere with
+# FXBUDGET_UNVERIFIED_FLEX=1 (to try it on another device). docs/gpu.md.
 MEASURE_FORMS = ("auto", "blocks", "flex")
 DEFAULT_MEASURE = "auto"
+AUTO_FORM = {"cuda": "flex"}
 
 
 def check_measure(form) -> None:
@@ -49,22 +51,21 @@ def check_measure(form) -> None:
 
 
 # Device types where the flex form's signals were checked against the block form's.
-FLEX_VERIFIED = ("cpu",)
+FLEX_VERIFIED = ("cpu", "cuda")
 UNVERIFIED_FLEX_ENV = "FXBUDGET_UNVERIFIED_FLEX"
 
 
 def measure_form(form: str, device: torch.device) -> str:
-    """The form a call runs: `form`, with "auto" resolved ("blocks").
+    """The form a call runs: `form`, with "auto" resolved by the device type (`AUTO_FORM`).
 
     Raises:
         RuntimeError: "flex" on a device where its signals were not verified (unless FXBUDGET_UNVERIFIED_FLEX=1).
     """
     check_measure(form)
-    if form == "auto":
-        return "blocks"
     kind = torch.device(device).type
+    if form == "auto":
+        return AUTO_FORM.get(kind, "blocks")
     if form == "flex" and kind not in FLEX_VERIFIED and os.environ.get(UNVERIFIED_FLEX_ENV) != "1":
-        raise RuntimeError(f"fxbudget: measure='flex' is not verified on {kind}: on an H200 (torch 2.11) its attn "
-                           f"signal came out wrong (docs/gpu.md); use measure='blocks' (the default), or set "
-                           f"{UNVERIFIED_FLEX_ENV}=1 to run it anyway")
+        raise RuntimeError(f"fxbudget: measure='flex' is not verified on {kind} (docs/gpu.md); use "
+                           f"measure='blocks', or set {UNVERIFIED_FLEX_ENV}=1 to run it anyway")
     return form
