@@ -148,11 +148,6 @@ def apply_measure_form(form: str) -> str:
     return measure
 
 
-# The forms Inductor cannot compile yet (issue 49: torch 2.14.1 fails to lower the flex mods, `tests/test_flex_codegen.py`):
-# the compiled side skips them with a row saying so instead of spending its box on a lowering error.
-NOT_COMPILED = {"flex"}
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Steps (each runs in its own process: `gpu_lease.py step NAME --rows FILE ...`)
 # ------------------------------------------------------------------------------------------------------------------
@@ -348,9 +343,6 @@ def step_prefill(a, rows: Rows, side: str) -> None:
 
     cuda = a.device.startswith("cuda")
     for form in (a.measure_forms.split(",") if side != "full" else ["-"]):
-        if side == "compiled" and form in NOT_COMPILED and a.backend == "inductor":
-            rows("prefill", side=side, form=form, skipped="Inductor does not lower this form yet (issue 49)")
-            continue
         model, build_s = _cost_model(a)
         if form == "flex":  # timed where its signals are not verified yet (kernel/settings.py): cost, not correctness
             os.environ["FXBUDGET_UNVERIFIED_FLEX"] = "1"
