@@ -81,10 +81,10 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
             O(block x candidates) whatever its length (a kernel setting: compare rules at one value; a call shorter
             than `block` is one block).
         measure: the form of the kernel's measure phase (a kernel setting, like `block`): "auto" (default) is
-            "blocks" on every device today: query blocks against every candidate. "flex" takes the output and each
-            candidate's attention from two fused `flex_attention` calls, with no n x candidates scores (meant for
-            GPUs; verified on a CPU only, eager or aot_eager: on an H200 its attn came out wrong, so elsewhere it
-            runs only with FXBUDGET_UNVERIFIED_FLEX=1). The same signals either way where verified (docs/gpu.md).
+            "flex" on CUDA and "blocks" elsewhere. "blocks": query blocks against every candidate (the fastest exact
+            form on a CPU). "flex": the output and each candidate's attention from two fused `flex_attention` calls,
+            with no n x candidates scores (verified on a CPU and on an H200; on other devices it runs only with
+            FXBUDGET_UNVERIFIED_FLEX=1). The same signals either way (docs/gpu.md).
         cudagraphs: with backend "inductor" on CUDA, replay the compiled graphs as CUDA graphs. The cache's tensors
             are marked static before the first compiled call, and generate()'s cache is reused across calls (see
             `BudgetForward`); each decoder layer's region is recorded once per layer and shape (the layers share

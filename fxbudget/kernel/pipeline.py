@@ -83,7 +83,7 @@ def budget_attention(
         sliding: sliding-window size for sliding layers, 0 for full attention.
         window: observation window for `window_attn`. scale: softmax scale (None = 1/sqrt(head_dim)).
         block: queries per block of the measure phase (memory is O(block x candidates)).
-        measure: the measure phase's form: "auto" (the default: "blocks" on every device today), "blocks" or "flex"
+        measure: the measure phase's form: "auto" (the default: "flex" on CUDA, "blocks" elsewhere), "blocks" or "flex"
             (`settings.measure_form`; the same signals either way where verified).
         pooled: the head-pooled layout (`layouts.HeadPool`): the `kv_heads x S` slots of a row are one pool, spread
             over the heads by the allocation step (`rule.head_floor(budget)`).

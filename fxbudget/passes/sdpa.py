@@ -307,7 +307,7 @@ def rewrite(gm: fx.GraphModule, rule: Rule, window: int, sliding_rule: Rule,
     `budget_ints`: mark the kernel's budget-derived ints for `graph_fingerprint` (`trace_kernel`).
     `layer_rules`: a rule per cache layer index in place of `rule` (sliding layers keep `sliding_rule`): the tests
     build every rule's layer into one graph, so Inductor compiles them once, not once per rule.
-    `measure`: the measure phase's form (`kernel.settings.measure_form`; "auto" is the block form)."""
+    `measure`: the measure phase's form (`kernel.settings.measure_form`; "auto": flex on CUDA, blocks elsewhere)."""
     report = RewriteReport()
     untouched: list[fx.Node] = []
     traces: dict[tuple, KernelTrace] = {}  # layers of one model share shapes: trace once per configuration
