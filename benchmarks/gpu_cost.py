@@ -39,13 +39,14 @@ Evict (`kernel/evict.py`): the order key (score, position -> int64), a top-k of 
 the freed/kept pairing over S and n, t = min(n, S) K/V rows written, the slots' metadata refilled:
     bytes = h (20 C + 8 C + 8 n + 8 (S + n) + 16 t) + 2 h t d e 2 + 48 h S           FLOPs ~ 0
 
-Planned fused form (issue 49; `../shared/spikes/flex-signals/`), bf16 inputs with fp32 accumulation (as flash):
+Fused form (`kernel/flex_measure.py`, issue 49), bf16 inputs with fp32 accumulation (as flash); the queries folded
+per KV head (each query head's n rows padded to whole 128-blocks: the formulas count the n real rows):
     forward flex over slots + new, with its LSE:  FLOPs = 4 d H (n S + n^2 / 2)
                                                    bytes = 2 H n d e + 2 h (S + n) d e + 4 H n
-    transposed flex (keys as queries, the group's queries as keys, score - LSE_q; its LSE per key is the key's
-    column sum); V' = ones of head dim d' (the spike's d' = d; its output is discarded):
+    transposed flex (keys as queries, the folded queries as keys, score - LSE_q; its LSE per key is the key's
+    column sum); V' = zeros of head dim d' = `flex_measure.VALUE_DIM` (written, then read; the output discarded):
                                                    FLOPs = (2 d + 2 d') H (n S + n^2 / 2)
-                                                   bytes = h (S + n) d e + H n d e + H n d' e + 4 H n
+                                                   bytes = h (S + n) d e + H n d e + 2 H n d' e + 4 H n
                                                            + h (S + n) d' e + 4 h (S + n)
     window block: w queries x C candidates per query head, fp32 scores written and read once:
                                                    FLOPs = (2 d + 10) H w C,  bytes = 8 H w C + h C d e + H w d e
@@ -65,6 +66,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+from fxbudget.kernel.flex_measure import VALUE_DIM  # noqa: E402  (d' of the transposed call's values)
 INDUCTOR_JSON = HERE / "results" / "gpu_cost_inductor.json"
 REPORT = HERE / "results" / "gpu_cost.md"
 DOCS = ROOT / "docs" / "gpu.md"
@@ -91,7 +94,6 @@ FIT_LENGTHS = (2048, 4096, 8192)  # Inductor's prefill counts fitted as a n^2 + 
 # Inductor cases: the fit lengths, then 32K and 128K lowered directly (the fit's check), then the decode steps.
 INDUCTOR_CASES = [("prefill", n, PREFILL_BUDGET) for n in (*FIT_LENGTHS, 32768, 131072)] + \
                  [("decode", 1, B) for B in BUDGETS]
-D_ONES = 128  # d' of the transposed call's V' (the spike's: d)
 # The fused form's two flex calls lowered at these lengths (their block masks are built on the CPU from n x g n
 # mask entries: 8K ran out of memory on the 24 GB development machine)
 FUSED_LENGTHS = (1024, 2048, 4096)
@@ -118,7 +120,6 @@ def shapes() -> dict:
 
 def _blocking(n: int, H: int) -> tuple[int, int, int, int]:
     """(R, c, nb', steps) of a call of n tokens on CUDA, as `measure` picks them (batch 1)."""
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from fxbudget.kernel.key_scan import padded_blocks, tile_blocks
@@ -157,14 +158,14 @@ def today_measure(kind: str, n: int, S: int, s: dict) -> dict:
     return dict(flops=(4 * d + 11) * (E + Ew), bytes=by, unit="fp32", E=E)
 
 
-def fused_measure(kind: str, n: int, S: int, s: dict, dp: int = D_ONES) -> dict:
+def fused_measure(kind: str, n: int, S: int, s: dict, dp: int = VALUE_DIM) -> dict:
     H, h, d, e, f = s["H"], s["h"], s["d"], 2, 4
     w = min(s["w"], n)
     live = 0 if kind == "prefill" else S
     C, vis = live + n, n * live + n * n / 2  # visible (query, key) pairs per query head
     fwd_f, fwd_b = 4 * d * H * vis, 2 * H * n * d * e + 2 * h * C * d * e + 4 * H * n
     tr_f = (2 * d + 2 * dp) * H * vis
-    tr_b = h * C * d * e + H * n * d * e + H * n * dp * e + 4 * H * n + h * C * dp * e + 4 * h * C
+    tr_b = h * C * d * e + H * n * d * e + 2 * H * n * dp * e + 4 * H * n + h * C * dp * e + 4 * h * C
     win_f, win_b = (2 * d + 10) * H * w * C, 8 * H * w * C + h * C * d * e + H * w * d * e
     signals = 40 * h * (S + n) + 2 * h * n * d * e + 2 * H * n * d * f
     return dict(flops=fwd_f + tr_f + win_f, bytes=fwd_b + tr_b + win_b + signals, unit="flex",
@@ -309,8 +310,8 @@ def tables(s: dict, ind: dict | None) -> str:
              + "; ".join(f"{k} {v[0]:g} ({v[1]})" for k, v in EFFICIENCY.items()) + ". Time per phase = "
              "max(FLOPs / achievable peak, bytes / achievable bandwidth). Prefill: one call of n tokens on an empty "
              f"cache of {PREFILL_BUDGET} slots; decode: one token over B slots, against the unmodified model's "
-             "decode over the full cache. The fused form's transposed call uses V' of head dim "
-             f"{D_ONES}.", "",
+             "decode over the full cache. The fused form's transposed call takes values of head dim "
+             f"{VALUE_DIM} (zeros, `flex_measure.VALUE_DIM`: its output is discarded).", "",
              "**By hand** (formulas: `benchmarks/gpu_cost.py`'s docstring), all layers:", "",
              "| call | unmodified (flash) TFLOP / GB / time | today: measure TFLOP / GB / time | rule + evict GB "
              "| today / unmodified | fused: measure TFLOP / GB / time | fused / unmodified "
@@ -350,8 +351,9 @@ def tables(s: dict, ind: dict | None) -> str:
             fz = {r["n"]: r for r in ind["fused"]}
             fit, (a, b, c) = fit_quadratic([(n, fz[n]["bytes"]) for n in FUSED_LENGTHS[-3:]])
             lines += ["", "**Inductor's count of the fused form**: the two flex_attention calls of a one-call "
-                      "prefill (the forward with `enable_gqa` and its LSE; the transposed call over each KV head's "
-                      f"keys and its group's queries, V' of head dim {ind['fused'][0]['d_ones']}), captured by "
+                      "prefill (the forward over the queries folded per KV head, with its LSE; the transposed call "
+                      "over each KV head's keys and its folded queries, values of head dim "
+                      f"{ind['fused'][0]['value_dim']}, zeros allocated in the graph), captured by "
                       "Dynamo and lowered for the fake sm_90 (their block masks are built on the CPU, so the "
                       f"lowering stops at {max(fz) // 1024}K), one layer, against the by-hand bytes of the same "
                       f"two calls; fit a n^2 + b n + c through n = {', '.join(str(n) for n in FUSED_LENGTHS[-3:])}: "
@@ -359,7 +361,7 @@ def tables(s: dict, ind: dict | None) -> str:
                       "| n | Inductor GB | by hand GB | Inductor / by hand | Triton kernels | outside Triton |",
                       "|---|---|---|---|---|---|"]
             for n in (*sorted(fz), *LENGTHS):
-                parts = fused_measure("prefill", n, PREFILL_BUDGET, s, dp=ind["fused"][0]["d_ones"])["parts"]
+                parts = fused_measure("prefill", n, PREFILL_BUDGET, s, dp=ind["fused"][0]["value_dim"])["parts"]
                 hand = parts["forward"][1] + parts["transposed"][1]
                 if n in fz:
                     r = fz[n]
@@ -406,12 +408,7 @@ def decision(s: dict, ind: dict | None) -> str:
            f"fp32 matmuls ({_t(t_flop)} of arithmetic without tensor cores against {_t(t_byte)} of memory "
            f"traffic by hand); either alone is {min(t_flop, t_byte) / p32['t_base']:.1f}x or more the unmodified "
            f"attention. Issue 49's goal (<= 1.3x the model's prefill at 32K) is "
-           f"{'met' if whole(p32['t_fused'], p32) <= 1.3 else 'not met'} by the fused form as predicted here"]
-    alt = fused_measure("prefill", 32768, PREFILL_BUDGET, s, dp=16)
-    t_alt = seconds(alt, L) + p32["fused"]["rule"]["t"] + p32["fused"]["evict"]["t"]
-    out[0] += (f"; with V' of head dim 16 in the transposed call (its output is discarded) the fused form is "
-               f"{t_alt / p32['t_base']:.2f}x ({whole(t_alt, p32):.2f}x the whole model), "
-               f"{'met' if whole(t_alt, p32) <= 1.3 else 'not met'} either.")
+           f"{'met' if whole(p32['t_fused'], p32) <= 1.3 else 'not met'} by the fused form as predicted here."]
     if ind and ind.get("fused"):
         itab = {(r["kind"], r["n"], r["phase"]): r for r in inductor_table(ind, s)[0]}
         fit = fit_quadratic([(r["n"], r["bytes"]) for r in ind["fused"]][-3:])[0]
@@ -477,7 +474,7 @@ def main(argv=None) -> int:
         import gpu_cost_inductor
 
         gpu_cost_inductor.run(INDUCTOR_CASES, {k: s[k] for k in ("H", "h", "d")}, s["w"], "snapkv", args.out,
-                              fused=FUSED_LENGTHS, d_ones=D_ONES)
+                              fused=FUSED_LENGTHS, value_dim=VALUE_DIM)
         return 0
     ind = load_inductor() if INDUCTOR_JSON.exists() else None
     want = {REPORT: report_md(s, ind), DOCS: updated_docs(DOCS.read_text(), docs_section(s, ind))}

@@ -108,7 +108,7 @@ def lower_case(kind: str, n: int, S: int, shp: dict, window: int, rule: str) -> 
 
 
 def run(cases: list[tuple[str, int, int]], shp: dict, window: int, rule: str, out: Path,
-        fused: tuple[int, ...] = (), d_ones: int = 128) -> None:
+        fused: tuple[int, ...] = (), *, value_dim: int) -> None:
     import torch
     import triton
 
@@ -121,7 +121,7 @@ def run(cases: list[tuple[str, int, int]], shp: dict, window: int, rule: str, ou
             + f" in {time.perf_counter() - t:.0f} s", flush=True)
     fused_rows = []
     for n in fused:
-        fused_rows.append(lower_fused(n, shp, d_ones))
+        fused_rows.append(lower_fused(n, shp, value_dim))
         print(f"[gpu_cost inductor] fused prefill n={n}: {fused_rows[-1]['bytes'] / 1e9:.3f} GB "
               f"({fused_rows[-1]['kernels']} kernels)", flush=True)
     out.write_text(json.dumps(dict(
@@ -132,12 +132,15 @@ def run(cases: list[tuple[str, int, int]], shp: dict, window: int, rule: str, ou
         window=window, shapes=shp, cases=rows, fused=fused_rows), indent=1) + "\n")
 
 
-def lower_fused(n: int, shp: dict, d_ones: int) -> dict:
-    """The planned fused form's two flex_attention calls (`../shared/spikes/flex-signals/`, with the 8B's GQA) on a
-    one-call prefill of `n` tokens, captured by Dynamo and lowered for a fake sm_90: Inductor's byte count. The
-    forward attends with `enable_gqa`; the transposed call takes each KV head's keys as queries and its group's
-    queries (a view, group-major) as keys, its score minus each query's log-sum-exp, under the transposed causal
-    mask; its log-sum-exp per key is the key's column sum. The window block is not part of it."""
+def lower_fused(n: int, shp: dict, value_dim: int) -> dict:
+    """The shipped fused form's two flex_attention calls (`fxbudget/kernel/flex_measure.py`'s `flex_attend`, with the
+    8B's GQA) on a one-call prefill of `n` tokens (a multiple of its block: the folded queries are a view), captured
+    by Dynamo and lowered for a fake sm_90: Inductor's byte count. The queries are folded per KV head (its group's
+    query heads' rows end to end, no `enable_gqa`); the forward returns each folded row's log-sum-exp; the transposed
+    call takes each KV head's keys as queries and the folded queries as keys, its score minus the row's log-sum-exp
+    (at the row's own index), under the transposed causal mask, its values `value_dim` zeros per row (allocated in
+    the graph, as `flex_attend` does); its log-sum-exp per key is the key's column sum. The masks are plain causal
+    ones (not `flex_attend`'s position reads) and the window block is not part of it."""
     sys.path.insert(0, str(ROOT / "tests"))
     import fake_cuda
     import torch
@@ -152,20 +155,20 @@ def lower_fused(n: int, shp: dict, d_ones: int) -> dict:
         captured["gm"], captured["ex"] = gm, ex
         return gm.forward
 
-    def two_calls(q, k, v, ones, bm, bm_t):
-        out, aux = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_aux=AuxRequest(lse=True))
-        lse = aux.lse.reshape(1, h, g * n)  # query head j*g+i of KV head j: rows i*n.. of its group
-        _, aux_t = flex_attention(k, q.reshape(1, h, g * n, d), ones, block_mask=bm_t,
+    def two_calls(q, k, v, bm, bm_t):
+        qf = q.reshape(1, h, g * n, d)  # query head j*g+i of KV head j: rows i*n.. of its fold
+        out, aux = flex_attention(qf, k, v, block_mask=bm, return_aux=AuxRequest(lse=True))
+        lse = aux.lse  # [1, h, g n]: per folded row
+        _, aux_t = flex_attention(k, qf, qf.new_zeros(1, h, g * n, value_dim), block_mask=bm_t,
                                   score_mod=lambda s, b, hh, ki, qi: s - lse[b, hh, qi],
                                   return_aux=AuxRequest(lse=True))
         return out, aux_t.lse.exp()
 
     q = torch.zeros(1, H, n, d, dtype=torch.bfloat16)
     k = torch.zeros(1, h, n, d, dtype=torch.bfloat16)
-    ones = torch.ones(1, h, g * n, d_ones, dtype=torch.bfloat16)
-    bm = create_block_mask(lambda b, hh, qi, ki: qi >= ki, 1, None, n, n, device="cpu")
+    bm = create_block_mask(lambda b, hh, qi, ki: (qi % n) >= ki, 1, None, g * n, n, device="cpu")
     bm_t = create_block_mask(lambda b, hh, ki, qi: (qi % n) >= ki, 1, None, n, g * n, device="cpu")
-    torch.compile(two_calls, backend=grab, fullgraph=True)(q, k, k.clone(), ones, bm, bm_t)
+    torch.compile(two_calls, backend=grab, fullgraph=True)(q, k, k.clone(), bm, bm_t)
     graphs = []
     orig = GraphLowering.codegen
 
@@ -182,5 +185,6 @@ def lower_fused(n: int, shp: dict, d_ones: int) -> dict:
         GraphLowering.codegen = orig
     nodes = [dict(node=node.get_name(), type=type(node).__name__, bytes=elems * 4)
              for _, counts, _ in graphs for node, elems in counts if elems]
-    return dict(kind="fused_prefill", n=n, d_ones=d_ones, bytes=sum(x[0] for x in graphs), kernels=len(low.kernels),
-                externs=low.externs, fallbacks=low.fallbacks, nodes=nodes, lower_s=round(time.perf_counter() - t, 1))
+    return dict(kind="fused_prefill", n=n, value_dim=value_dim, bytes=sum(x[0] for x in graphs),
+                kernels=len(low.kernels), externs=low.externs, fallbacks=low.fallbacks, nodes=nodes,
+                lower_s=round(time.perf_counter() - t, 1))
