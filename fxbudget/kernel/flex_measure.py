@@ -78,7 +78,7 @@ def flex_attend(q: Tensor, k_slots: Tensor, v_slots: Tensor, slot_pos: Tensor, k
     C = kpos.shape[-1]
     dtype = k_all.dtype
     # The folded queries: per KV head of `k_all` (h, or the pool's 1), its `heads` query heads' queries end to end on
-    # the query axis, each head's padded to whole blocks (a free view of `q` when n is a multiple of the block). No
+    # the query axis, each head's padded to whole blocks (a view of a contiguous `q` when n is a multiple of the block). No
     # `enable_gqa`: a folded row's log-sum-exp is then read by the transposed call at its own index.
     hk = k_all.shape[1]
     heads = hq // hk
