@@ -110,6 +110,12 @@ def test_measure_form_resolves_by_device(monkeypatch):
     assert measure_form("auto", torch.device("meta")) == "blocks"
     assert measure_form("flex", torch.device("cpu")) == "flex"
     assert measure_form("flex", torch.device("cuda", 0)) == "flex"
+    # float64: flex's GPU kernels do not compile it (Triton), the CPU's path does
+    assert measure_form("auto", torch.device("cuda", 0), torch.float64) == "blocks"
+    assert measure_form("auto", torch.device("cuda", 0), torch.bfloat16) == "flex"
+    assert measure_form("flex", torch.device("cpu"), torch.float64) == "flex"
+    with pytest.raises(ValueError, match=r"measure='flex' on cuda takes .*got torch.float64; use measure='blocks'"):
+        measure_form("flex", torch.device("cuda", 0), torch.float64)
     monkeypatch.delenv("FXBUDGET_UNVERIFIED_FLEX", raising=False)
     with pytest.raises(RuntimeError, match=r"measure='flex' is not verified on xpu .*FXBUDGET_UNVERIFIED_FLEX=1"):
         measure_form("flex", torch.device("xpu", 0))

@@ -80,7 +80,7 @@ def measure(
     blk = Block(kv[0], kv[1], slot_pos[..., :live], kv[2], kv[3], qpos.unsqueeze(1), scale, sliding, acc)
     queries_acc = queries.to(acc)
     R = min(block or auto_block(b * q.shape[1], n, q.device), n)
-    if n > w and measure_form(form, q.device) == "flex":  # a call of <= w queries is its own window block
+    if n > w and measure_form(form, q.device, q.dtype) == "flex":  # a call of <= w queries is its own window block
         out, sig_s, sig_n, win_max = _flex(blk, q, queries_acc, k_slots[:, :, :live], v_slots[:, :, :live], k_new,
                                            v_new, qpos, weights, w, scale, sliding)
     elif n <= R:  # one block (a decode step, a prefill chunk): the window max from its softmax

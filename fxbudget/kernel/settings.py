@@ -53,18 +53,26 @@ def check_measure(form) -> None:
 # Device types where the flex form's signals were checked against the block form's.
 FLEX_VERIFIED = ("cpu", "cuda")
 UNVERIFIED_FLEX_ENV = "FXBUDGET_UNVERIFIED_FLEX"
+# The dtypes flex_attention's GPU kernels compile: float64 fails in Triton (sm_90 codegen, torch 2.14.1), so there
+# "auto" takes the block form and "flex" raises. The CPU's path takes any dtype.
+FLEX_GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def measure_form(form: str, device: torch.device) -> str:
-    """The form a call runs: `form`, with "auto" resolved by the device type (`AUTO_FORM`).
+def measure_form(form: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The form a call runs: `form`, with "auto" resolved by the device type (`AUTO_FORM`) and the call's dtype.
 
     Raises:
         RuntimeError: "flex" on a device where its signals were not verified (unless FXBUDGET_UNVERIFIED_FLEX=1).
+        ValueError: "flex" off the CPU in a dtype flex's GPU kernels do not compile (`FLEX_GPU_DTYPES`).
     """
     check_measure(form)
     kind = torch.device(device).type
+    compiles = kind == "cpu" or dtype is None or dtype in FLEX_GPU_DTYPES
     if form == "auto":
-        return AUTO_FORM.get(kind, "blocks")
+        return AUTO_FORM.get(kind, "blocks") if compiles else "blocks"
+    if form == "flex" and not compiles:
+        raise ValueError(f"fxbudget: measure='flex' on {kind} takes {', '.join(map(str, FLEX_GPU_DTYPES))} "
+                         f"(flex_attention's GPU kernels), got {dtype}; use measure='blocks' or 'auto'")
     if form == "flex" and kind not in FLEX_VERIFIED and os.environ.get(UNVERIFIED_FLEX_ENV) != "1":
         raise RuntimeError(f"fxbudget: measure='flex' is not verified on {kind} (docs/gpu.md); use "
                            f"measure='blocks', or set {UNVERIFIED_FLEX_ENV}=1 to run it anyway")
