@@ -54,6 +54,21 @@ def test_dry_run_runs_every_step(tmp_path):
     assert "| step | status | seconds | key numbers |" in (out / "summary.md").read_text()
 
 
+@pytest.mark.lease_dry_run  # on the oldest torch, as the GPU image's
+def test_flex_check_dry_run_in_bf16():
+    """The next lease's bf16 check of the flex form (benchmarks/studies/flex_gpu_check.py) on the CPU: every case
+    runs both forms, the attention signals agree and each form is within bf16's bounds of the float64 block form."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "studies" / "flex_gpu_check.py"), "--device",
+                           "cpu", "--dtype", "bfloat16"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    cases = [line for line in lines if "sum(attn) flex/blocks" in line]
+    assert len(cases) == 5 and all(line.endswith("flex/blocks 1.000000") for line in cases), cases
+    assert len([line for line in lines if "against float64 (error / bound)" in line]) == 5, lines
+    assert lines[-1].endswith("(within bfloat16's bounds)"), lines[-1]
+
+
 def test_random_weights_are_seeded_and_per_tensor():
     # The GPU run compares kept sets on the GPU with the same weights on the CPU: a model built twice with one seed
     # must be identical, and layer i's weights must not depend on how many layers were asked.

@@ -1,9 +1,12 @@
 """The flex form's signals on a GPU against the block form on the same inputs (issue 49; the lease run of
 2026-12-04 found `attn` wrong on an H200 while the output was right, with the form of 77df3c1). Prints, per case:
 each signal's largest error relative to its scale and the flex/blocks ratio of `sum(attn)`; first, the log-sum-exps
-of compiled flex calls (plain and `enable_gqa`, the earlier form's first call) against torch.logsumexp.
+of compiled flex calls (plain and `enable_gqa`, the earlier form's first call) against torch.logsumexp. In bfloat16
+it also checks each form against the block form in float64 on the same (rounded) inputs, with the
+bounds of tests/test_flex_measure.py: the attention signals within 1e-5 of their scale (fp32 sums of exact
+products), the output within 2^-8 of its scale plus the values' (rounded twice, as flash attention's).
 
-    python benchmarks/studies/flex_gpu_check.py [--device cuda] [--dtype float32]
+    python benchmarks/studies/flex_gpu_check.py [--device cuda] [--dtype float32|bfloat16]
 
 On a CPU it runs flex's eager path (what tests/test_flex_measure.py checks): a dry run of this script.
 """
@@ -36,8 +39,14 @@ CASES = {
 }
 
 
-def inputs(device, dtype, call, pooled):
-    inp = {k: (v.to(dtype) if v.is_floating_point() else v).to(device) for k, v in _call(**call).items()}
+# What the float64 check bounds (tests/test_flex_measure.py's bf16 test): the signals that read the attention.
+ATTN_SIGNALS = ("attn", "window_attn", "last_attn", "window_max_attn", "acc_attn")
+
+
+def inputs(device, dtype, call, pooled, upcast=None):
+    """The case's kernel inputs in `dtype` (then in `upcast`, exactly: the float64 reference of rounded inputs)."""
+    inp = {k: (v.to(dtype).to(upcast or dtype) if v.is_floating_point() else v).to(device)
+           for k, v in _call(**call).items()}
     q, slots, new, const = kernel_args(inp)
     if pooled:  # the slots spread over the heads by a random owner (some free), as the head pool holds them
         owner = torch.randint(-1, slots.pos.shape[1], slots.owner.shape, generator=torch.Generator().manual_seed(1),
@@ -78,13 +87,17 @@ def main():
             raw_lse(a.device, dtype, hq, hkv)
         except Exception as exc:  # report and go on to the kernel's signals
             print(f"raw lse: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-    worst = 0.0
+    worst, worst64 = 0.0, 0.0
     for name, (call, sliding, pooled) in CASES.items():
         try:
             args = inputs(a.device, dtype, call, pooled)
-            (o1, t1, s1), (o2, t2, s2) = (
-                measure_phase(HEAD_POOL if pooled else PER_HEAD, *args, form=f, window=8, sliding=sliding,
-                              scale=None, block=64) for f in ("blocks", "flex"))
+            run = lambda form, args: measure_phase(HEAD_POOL if pooled else PER_HEAD, *args, form=form,  # noqa: E731
+                                                   window=8, sliding=sliding, scale=None, block=64)
+            (o1, t1, s1), (o2, t2, s2) = run("blocks", args), run("flex", args)
+            if dtype == torch.bfloat16:
+                worst64 = max(worst64, against_float64(name, run("blocks", inputs(a.device, dtype, call, pooled,
+                                                                                  torch.float64)),
+                                                       {"blocks": (o1, s1), "flex": (o2, s2)}, args))
             errs = {}
             for key, x, y in [("out", o1, o2), *((k, s1[k], s2[k]) for k in s1)]:
                 if x.is_floating_point() and x.shape == y.shape and x.numel():
@@ -99,6 +112,27 @@ def main():
             worst = math.inf
             print(f"{name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     print(f"worst relative error over the cases: {worst:.3g}", flush=True)
+    if dtype == torch.bfloat16:
+        print(f"against float64: worst error / its bound over the cases and forms: {worst64:.3g} "
+              f"({'within' if worst64 <= 1 else 'OUTSIDE'} {a.dtype}'s bounds)", flush=True)
+
+
+def against_float64(name, ref, got, args):
+    """Each form's output and attention signals against the float64 block form; prints them, returns the largest
+    error over its bound (<= 1: within)."""
+    (ref_out, _, ref_sig), (_, slots, new, _) = ref, args
+    scale_v = max(new.values.abs().max().item(), slots.values.abs().max().item() if slots.values.numel() else 0.0)
+    worst, parts = 0.0, []
+    for form, (out, sig) in got.items():
+        bound = 2**-8 * (ref_out.abs().max().item() + scale_v)
+        ratios = {"out": (out.double() - ref_out).abs().max().item() / bound}
+        for k in ATTN_SIGNALS:
+            x, y = sig[k].double().nan_to_num(), ref_sig[k].nan_to_num()
+            ratios[k] = (x - y).abs().max().item() / (1e-5 * max(y.abs().max().item(), 1e-30))
+        worst = max(worst, *ratios.values())
+        parts.append(f"{form} out {ratios['out']:.2g}, signals {max(ratios[k] for k in ATTN_SIGNALS):.2g}")
+    print(f"{name} against float64 (error / bound): {'; '.join(parts)}", flush=True)
+    return worst
 
 
 if __name__ == "__main__":
