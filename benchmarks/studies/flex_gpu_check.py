@@ -28,6 +28,7 @@ from fxbudget.kernel import HEAD_POOL, PER_HEAD, measure_phase  # noqa: E402
 from fxbudget.kernel.flex_measure import fused_flex  # noqa: E402
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask  # noqa: E402
 from test_blocks import _call, kernel_args  # noqa: E402
+from test_flex_measure import ATTN_SIGNALS, RTOL, bf16_output_bound  # noqa: E402
 
 # case -> (test_blocks._call sizes, sliding window, head pool). Sizes past one flex block (128) in every direction.
 CASES = {
@@ -37,10 +38,6 @@ CASES = {
     "sliding": (dict(b=1, h=2, g=4, S=0, held=0, n=400, d=64, left_pads=(0,)), 100, False),
     "pool-chunk": (dict(b=1, h=2, g=4, S=300, held=150, n=260, d=64, left_pads=(0,)), 0, True),
 }
-
-
-# What the float64 check bounds (tests/test_flex_measure.py's bf16 test): the signals that read the attention.
-ATTN_SIGNALS = ("attn", "window_attn", "last_attn", "window_max_attn", "acc_attn")
 
 
 def inputs(device, dtype, call, pooled, upcast=None):
@@ -121,14 +118,13 @@ def against_float64(name, ref, got, args):
     """Each form's output and attention signals against the float64 block form; prints them, returns the largest
     error over its bound (<= 1: within)."""
     (ref_out, _, ref_sig), (_, slots, new, _) = ref, args
-    scale_v = max(new.values.abs().max().item(), slots.values.abs().max().item() if slots.values.numel() else 0.0)
+    bound = bf16_output_bound(ref_out, new, slots)
     worst, parts = 0.0, []
     for form, (out, sig) in got.items():
-        bound = 2**-8 * (ref_out.abs().max().item() + scale_v)
         ratios = {"out": (out.double() - ref_out).abs().max().item() / bound}
         for k in ATTN_SIGNALS:
             x, y = sig[k].double().nan_to_num(), ref_sig[k].nan_to_num()
-            ratios[k] = (x - y).abs().max().item() / (1e-5 * max(y.abs().max().item(), 1e-30))
+            ratios[k] = (x - y).abs().max().item() / (RTOL * max(y.abs().max().item(), 1e-30))
         worst = max(worst, *ratios.values())
         parts.append(f"{form} out {ratios['out']:.2g}, signals {max(ratios[k] for k in ATTN_SIGNALS):.2g}")
     print(f"{name} against float64 (error / bound): {'; '.join(parts)}", flush=True)
