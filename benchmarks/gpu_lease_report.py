@@ -232,6 +232,12 @@ def flex_check_section(folder: str, name: str, script: str) -> list[str]:
             "verbatim):", "", "```", *text, "```"]
 
 
+def attn_ratio(folder: str, case: str = "prefill") -> str:
+    """A case's `sum(attn) flex/blocks` in a run's flex_check.txt, as printed."""
+    text = (LEASE / folder / "flex_check.txt").read_text()
+    return re.search(rf"^{case}: .*sum\(attn\) flex/blocks ([0-9.]+)$", text, re.M).group(1)
+
+
 # The run whose prefill rows of each form stand beside the prediction: the block form's only timing (run 1), the flex
 # form's verified one (run 5, divided by run 3's unmodified rows: `full_for`).
 PREDICTED_RUNS = {"blocks": "2026-12-04-run1", "flex": "2026-12-04-run5"}
@@ -366,7 +372,8 @@ def page() -> str:
            "before its first comparison (Steps); after the fix no kept-set check ran on a GPU (no device time "
            "left): the flex checks below are the GPU evidence.", "",
            "### The flex form on the H200", "",
-           "Runs 3-4 kept `attn` wrong after folding the queries (no `enable_gqa`): the ratio of run 2, 1.4776, came "
+           "Runs 3-4 kept `attn` wrong after folding the queries (no `enable_gqa`): the ratio of run 2, "
+           f"{attn_ratio('2026-12-04-run2')}, came "
            "back unchanged. Run 4's transposed-call check located it: with the form's own block mask the column "
            "log-sum-exps are wrong (`ours`, and `nomod` without the score_mod), with torch's `create_block_mask` of "
            "the same mask_mod or with no block mask they are exact (`torchmask`, `dense`). The form's lists came "
