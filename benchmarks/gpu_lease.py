@@ -344,8 +344,6 @@ def step_prefill(a, rows: Rows, side: str) -> None:
     cuda = a.device.startswith("cuda")
     for form in (a.measure_forms.split(",") if side != "full" else ["-"]):
         model, build_s = _cost_model(a)
-        if form == "flex":  # timed where its signals are not verified yet (kernel/settings.py): cost, not correctness
-            os.environ["FXBUDGET_UNVERIFIED_FLEX"] = "1"
         if side != "full":
             fxbudget.compile(model, rule="snapkv", budget=a.prefill_budget, measure=apply_measure_form(form),
                              backend=a.backend if side == "compiled" else None)
