@@ -1,4 +1,4 @@
-"""CUDA only (`-m cuda`; benchmarks/gpu.sh runs them first): no host sync in a warm decode step, CUDA graphs engage
+"""CUDA only (`-m cuda`; benchmarks/gpu/run.sh runs them first): no host sync in a warm decode step, CUDA graphs engage
 for it, and the compiled bucketed path equals the eager one in bf16 on the device.
 
 Where no GPU is present (no `nvidia-smi`) these are skipped, and `make test` reports them as such; where one is, they

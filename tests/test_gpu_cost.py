@@ -1,4 +1,4 @@
-"""The predicted GPU cost (benchmarks/gpu_cost.py): its score count is the kernel's own schedule, and the committed
+"""The predicted GPU cost (benchmarks/gpu/cost.py): its score count is the kernel's own schedule, and the committed
 report and docs/gpu.md's section are what the script writes from the committed Inductor counts."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_cost  # noqa: E402
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+import cost as gpu_cost  # noqa: E402
 
 from fxbudget.kernel.key_scan import fold_pairs  # noqa: E402
 
@@ -36,4 +36,4 @@ def test_flash_is_the_fused_forward_on_an_empty_cache():
 
 def test_report_and_docs_are_the_scripts_output():
     assert gpu_cost.INDUCTOR_JSON.exists(), "benchmarks/results/gpu_cost_inductor.json is committed"
-    assert gpu_cost.main(["report", "--check"]) == 0, "run `python benchmarks/gpu_cost.py report`"
+    assert gpu_cost.main(["report", "--check"]) == 0, "run `python benchmarks/gpu/cost.py report`"

@@ -1,4 +1,4 @@
-"""The prepared GPU run's dry run (issue 51, item 2): every step of benchmarks/gpu_lease.py at tiny sizes on the CPU,
+"""The prepared GPU run's dry run (issue 51, item 2): every step of benchmarks/gpu/lease.py at tiny sizes on the CPU,
 so a script bug is found here and not in a 15-minute GPU lease. It checks the files the run writes (at most 8 come
 back from the GPU machine), that every step ran ok with its checks passing, and the summary table printed last."""
 
@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "gpu_lease.py"
+SCRIPT = ROOT / "benchmarks" / "gpu" / "lease.py"
 
 
 def _steps():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        import gpu_lease
+        import lease as gpu_lease
     finally:
         sys.path.remove(str(SCRIPT.parent))
     return gpu_lease.STEPS, gpu_lease.BOXES

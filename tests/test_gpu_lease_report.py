@@ -1,4 +1,4 @@
-"""benchmarks/results/gpu_lease.md is what benchmarks/gpu_lease_report.py writes from the committed lease rows."""
+"""benchmarks/results/gpu_lease.md is what benchmarks/gpu/report.py writes from the committed lease rows."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_lease_report  # noqa: E402
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+import report as gpu_lease_report  # noqa: E402
 
 
 def test_page_is_the_generators_output():
-    assert gpu_lease_report.main(["--check"]) == 0, "run `python benchmarks/gpu_lease_report.py`"
+    assert gpu_lease_report.main(["--check"]) == 0, "run `python benchmarks/gpu/report.py`"
 
 
 def test_page_carries_the_measured_rows():

@@ -1,11 +1,11 @@
 """One prepared GPU run for a short lease with no weights and no network (issue 51, items 1-2).
 
-    python benchmarks/gpu_lease.py bundle --out .gpu-bundle          # here: wheels the GPU image may lack, checked size
-    python benchmarks/gpu_lease.py install --bundle .gpu-bundle --target /tmp/lease-site   # there: no network
-    PYTHONPATH=/tmp/lease-site:. python benchmarks/gpu_lease.py run --out "$OUT"            # there: <= 8 min
-    python benchmarks/gpu_lease.py run --dry-run --out /tmp/dry    # every step at tiny sizes on the CPU (CI)
+    python benchmarks/gpu/lease.py bundle --out .gpu-bundle          # here: wheels the GPU image may lack, checked size
+    python benchmarks/gpu/lease.py install --bundle .gpu-bundle --target /tmp/lease-site   # there: no network
+    PYTHONPATH=/tmp/lease-site:. python benchmarks/gpu/lease.py run --out "$OUT"            # there: <= 8 min
+    python benchmarks/gpu/lease.py run --dry-run --out /tmp/dry    # every step at tiny sizes on the CPU (CI)
 
-`benchmarks/gpu.sh` does the install and the run in one line. The run measures **correctness against the same model
+`benchmarks/gpu/run.sh` does the install and the run in one line. The run measures **correctness against the same model
 unmodified, and cost**; the models are real architectures (benchmarks/configs/: the embedded Qwen2.5-0.5B's config,
 Llama-3.1-8B's, Qwen2.5-7B's) with seeded random weights (`fxbudget.models.load_random`): accuracy needs real weights,
 and none travel. Steps, each a subprocess with its own time box (a failing or timed-out step never stops the next),
@@ -39,9 +39,9 @@ The compiled side skips "flex" (Inductor does not lower it yet) and decode times
 block form whatever the setting).
 
 `--dry-run` runs every step on `--device cpu` at tiny sizes (configs shrunk to 64 wide, a few tokens, `aot_eager` in
-place of Inductor) so a script bug shows here, not in the lease. Dropped from the old gpu.sh: every step that needs
+place of Inductor) so a script bug shows here, not in the lease. Dropped from the old benchmarks/gpu.sh: every step that needs
 the embedded model's weights (compare, cross-device dumps against the committed CPU dumps, long context and compile
-time of the embedded model); `benchmarks/gpu.sh --embedded` still runs them where the weights are.
+time of the embedded model); `benchmarks/gpu/run.sh --embedded` still runs them where the weights are.
 """
 
 from __future__ import annotations
@@ -57,11 +57,13 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-CONFIGS = HERE / "configs"
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+HERE = Path(__file__).resolve().parent  # benchmarks/gpu
+BENCH = HERE.parent  # benchmarks/: the steps import its scripts (cross_device, long_context, benchlib, ...)
+ROOT = BENCH.parent
+CONFIGS = BENCH / "configs"
+for _p in (BENCH, HERE):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 STEPS = ("env", "correct-fp32", "correct-bf16", "fingerprint", "tests", "prefill-full", "prefill-eager", "prefill-compiled", "decode",
          "spread")
@@ -149,7 +151,7 @@ def apply_measure_form(form: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Steps (each runs in its own process: `gpu_lease.py step NAME --rows FILE ...`)
+# Steps (each runs in its own process: `gpu/lease.py step NAME --rows FILE ...`)
 # ------------------------------------------------------------------------------------------------------------------
 
 def step_env(a, rows: Rows) -> None:

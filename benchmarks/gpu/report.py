@@ -1,10 +1,10 @@
-"""The H200 lease runs' measured numbers, and the predictions of benchmarks/gpu_cost.py beside them.
+"""The H200 lease runs' measured numbers, and the predictions of benchmarks/gpu/cost.py beside them.
 
-    python benchmarks/gpu_lease_report.py            # writes benchmarks/results/gpu_lease.md
-    python benchmarks/gpu_lease_report.py --check    # exit 1 if the committed page differs from what it would write
+    python benchmarks/gpu/report.py            # writes benchmarks/results/gpu_lease.md
+    python benchmarks/gpu/report.py --check    # exit 1 if the committed page differs from what it would write
 
 Reads only committed files: each run folder under results/gpu_lease/ (`RUNS`: its rows file, its summary.md or
-script for the steps' status, its flex checks' output), and gpu_cost.py's formulas with
+script for the steps' status, its flex checks' output), and gpu/cost.py's formulas with
 results/gpu_cost_inductor.json. Nothing here runs on a GPU.
 """
 
@@ -16,16 +16,16 @@ import re
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-LEASE = HERE / "results" / "gpu_lease"
-PAGE = HERE / "results" / "gpu_lease.md"
+HERE = Path(__file__).resolve().parent  # benchmarks/gpu
+ROOT = HERE.parent.parent
+LEASE = HERE.parent / "results" / "gpu_lease"
+PAGE = HERE.parent / "results" / "gpu_lease.md"
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-# (folder, rows file, what the run was). Run 1 is `bash benchmarks/gpu.sh $OUT` (summary.md holds each step's status);
+# (folder, rows file, what the run was). Run 1 is `bash benchmarks/gpu/run.sh $OUT` (summary.md holds each step's status);
 # runs 2-5 are the run*.sh in their folders (the steps' boxes are in the script; no status file).
-RUNS = [("2026-12-04-run1", "rows.jsonl", "the whole prepared run, `bash benchmarks/gpu.sh $OUT`"),
+RUNS = [("2026-12-04-run1", "rows.jsonl", "the whole prepared run, `bash benchmarks/gpu/run.sh $OUT`"),
         ("2026-12-04-run2", "rows2.jsonl", "a focused rerun after the fixes of 85b65fa, `run2.sh` (in its folder)"),
         ("2026-12-04-run3", "rows3.jsonl", "the folded flex form, `auto` = flex on CUDA, `run3.sh`"),
         ("2026-12-04-run4", "rows4.jsonl", "which part of the flex form goes wrong, `run4.sh`"),
@@ -72,7 +72,7 @@ def load_rows(folder: str, name: str) -> list[dict]:
 
 
 def run1_status(folder: str) -> list[dict]:
-    """Each step's status and seconds from the run's summary.md (gpu_lease.py's `_table`)."""
+    """Each step's status and seconds from the run's summary.md (gpu/lease.py's `_table`)."""
     out = []
     for line in (LEASE / folder / "summary.md").read_text().splitlines():
         m = re.match(r"\| ([a-z0-9-]+) \| (ok|failed|timed out|[a-z ]+) \| (\d+) \|", line)
@@ -115,7 +115,7 @@ def env_section(rows: list[dict]) -> list[str]:
 
 def steps_section(runs: dict) -> list[str]:
     lines = ["| run | step | box (s) | status | seconds | why |", "|---|---|---|---|---|---|"]
-    import gpu_lease
+    import lease as gpu_lease
 
     for folder, rows, status in ((f, runs[f]["rows"], runs[f]["status"]) for f in runs):
         for st in status:
@@ -244,9 +244,9 @@ PREDICTED_RUNS = {"blocks": "2026-12-04-run1", "flex": "2026-12-04-run5"}
 
 
 def predicted_section(runs: dict, pre: dict, dec: dict) -> list[str]:
-    """gpu_cost.py's predictions at the lease's 2 layers (its formulas with L = 2: its prefill ratios do not depend
+    """gpu/cost.py's predictions at the lease's 2 layers (its formulas with L = 2: its prefill ratios do not depend
     on L, both sides scale with it) beside the measured calls."""
-    import gpu_cost
+    import cost as gpu_cost
 
     layers = {r["layers"] for r in pre.values()} | {r["layers"] for r in dec.values()}
     assert len(layers) == 1, f"the measured rows disagree on the layer count: {layers}"
@@ -254,7 +254,7 @@ def predicted_section(runs: dict, pre: dict, dec: dict) -> list[str]:
     s = dict(gpu_cost.shapes(), L=L)
     itab, _ = gpu_cost.inductor_table(gpu_cost.load_inductor(), s)
     comb = {(r["kind"], r["n"], r["S"], r["ref"]): r for r in gpu_cost.combined(gpu_cost.paper_rows(s), itab, s)}
-    lines = [f"gpu_cost.py's formulas and Inductor counts at {L} layers of the Llama-3.1-8B config (the measured "
+    lines = [f"gpu/cost.py's formulas and Inductor counts at {L} layers of the Llama-3.1-8B config (the measured "
              "model), bf16, batch 1; predicted seconds are the whole model's (attention with the launch floor, "
              "plus the projections and MLP), as measured. The attention-only ratio is the bold column of "
              "[gpu_cost.md](gpu_cost.md)'s last table (the same at 32 layers).", "",
@@ -337,7 +337,7 @@ def page() -> str:
     fb = {n: pre[(PREDICTED_RUNS["blocks"], "eager", "blocks", n)]["seconds"]
           / pre[(PREDICTED_RUNS["flex"], "eager", "flex", n)]["seconds"] for n in sorted({k[3] for k in pre})[1:]}
     out = ["# GPU lease runs on an H200 (measured)", "",
-           f"Written by `python benchmarks/gpu_lease_report.py` from the committed rows of {len(runs)} runs on leased "
+           f"Written by `python benchmarks/gpu/report.py` from the committed rows of {len(runs)} runs on leased "
            "H200s (two sessions' leases, one machine start per run): "
            + "; ".join(f"[{f}](gpu_lease/{f}/) ({r['what']}; rows: `{r['name']}`)" for f, r in runs.items())
            + ". Seeded random weights: correctness is against the same model unmodified, no accuracy. Runs 1-2 "
@@ -347,7 +347,7 @@ def page() -> str:
            *env_section(all_rows), "",
            "## Steps", "", *steps_section(runs), "",
            "Runs 2-5 kept no status file: a step counts as finished when its last row is its `key` line. "
-           "The boxes are the seconds each step had (`benchmarks/gpu_lease.py`'s `BOXES` in run 1, the run*.sh's "
+           "The boxes are the seconds each step had (`benchmarks/gpu/lease.py`'s `BOXES` in run 1, the run*.sh's "
            f"in runs 2-5); the rows that time a cold compile (with its first run) took {lo:.1f}-{hi:.1f} s each ({len(comp)} "
            "rows: decode sides, the spread's rules, the compiled checks), and a step holds several: the compiled "
            "steps' boxes were too short for them.", "",
@@ -393,7 +393,7 @@ def main(argv=None) -> int:
     text = page()
     if a.check:
         if not PAGE.exists() or PAGE.read_text() != text:
-            print(f"{PAGE.relative_to(ROOT)} differs from `python benchmarks/gpu_lease_report.py`")
+            print(f"{PAGE.relative_to(ROOT)} differs from `python benchmarks/gpu/report.py`")
             return 1
         return 0
     PAGE.write_text(text)

@@ -1,5 +1,5 @@
 """Inductor's own byte counts of the kernel's three phases lowered for a (fake) sm_90, one layer of the Llama-3.1-8B
-shapes in bfloat16: what `python benchmarks/gpu_cost.py inductor` runs (needs `.venv-cuda`: torch 2.14.1+cu130,
+shapes in bfloat16: what `python benchmarks/gpu/cost.py inductor` runs (needs `.venv-cuda`: torch 2.14.1+cu130,
 `tests/fake_cuda.py`).
 
 Each phase is traced the way the SDPA pass traces it (`passes.sdpa.trace_kernel`, on fake tensors: nothing is
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fake_inputs(n: int, S: int, shp: dict):
@@ -127,7 +127,7 @@ def run(cases: list[tuple[str, int, int]], shp: dict, window: int, rule: str, ou
     out.write_text(json.dumps(dict(
         note="Inductor's GraphLowering.count_bytes() per phase, one layer, batch 1, bf16, lowered for a fake sm_90 "
              "(tests/fake_cuda.py); loop bodies multiplied by their trip count. Written by "
-             "`python benchmarks/gpu_cost.py inductor`.",
+             "`python benchmarks/gpu/cost.py inductor`.",
         torch=torch.__version__, triton=triton.__version__, python=platform.python_version(), rule=rule,
         window=window, shapes=shp, cases=rows, fused=fused_rows), indent=1) + "\n")
 

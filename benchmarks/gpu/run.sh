@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The prepared GPU run (issue 51): a thin wrapper over benchmarks/gpu_lease.py, which says what each step measures.
+# The prepared GPU run (issue 51): a thin wrapper over benchmarks/gpu/lease.py, which says what each step measures.
 #
-#     bash benchmarks/gpu.sh OUT_DIR [gpu_lease.py run options]   # on the GPU machine: install the bundle, run
-#     bash benchmarks/gpu.sh OUT_DIR --dry-run                    # every step at tiny sizes on the CPU
-#     bash benchmarks/gpu.sh --embedded                           # the older run on the embedded model's weights
+#     bash benchmarks/gpu/run.sh OUT_DIR [gpu/lease.py run options]   # on the GPU machine: install the bundle, run
+#     bash benchmarks/gpu/run.sh OUT_DIR --dry-run                    # every step at tiny sizes on the CPU
+#     bash benchmarks/gpu/run.sh --embedded                           # the older run on the embedded model's weights
 #
-# Make the bundle first, on a machine with PyPI: `python benchmarks/gpu_lease.py bundle --out .gpu-bundle`; carry
+# Make the bundle first, on a machine with PyPI: `python benchmarks/gpu/lease.py bundle --out .gpu-bundle`; carry
 # `.gpu-bundle` with the tree. Its wheels the image lacks (or has too old) go into a throwaway folder on PYTHONPATH,
 # with no network; fxbudget runs from this tree. PY names the Python (default python).
 #
@@ -13,15 +13,15 @@
 # cross-device dumps against the committed CPU dumps, long context and compile time of the embedded model;
 # GPU_STEPS selects among "tests compare long cross layer compile"); it writes benchmarks/results/gpu.md.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-python}
 if [[ ${1:-} != --embedded ]]; then
-  OUT=${1:?usage: bash benchmarks/gpu.sh OUT_DIR [options] (or --embedded)}; shift
+  OUT=${1:?usage: bash benchmarks/gpu/run.sh OUT_DIR [options] (or --embedded)}; shift
   SITE=$(mktemp -d)
   if [[ -d .gpu-bundle && " $* " != *" --dry-run "* ]]; then
-    "$PY" benchmarks/gpu_lease.py install --bundle .gpu-bundle --target "$SITE" || echo "bundle install failed" >&2
+    "$PY" benchmarks/gpu/lease.py install --bundle .gpu-bundle --target "$SITE" || echo "bundle install failed" >&2
   fi
-  PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" benchmarks/gpu_lease.py run --out "$OUT" "$@"
+  PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" benchmarks/gpu/lease.py run --out "$OUT" "$@"
 fi
 shift
 OUT=benchmarks/results/gpu.md
@@ -108,7 +108,7 @@ fi
 {
   echo "# GPU run"
   echo
-  echo "Command: \`GPU_STEPS=\"$STEPS\" bash benchmarks/gpu.sh\`; total ${SECONDS} s. Sections below are the scripts' own outputs."
+  echo "Command: \`GPU_STEPS=\"$STEPS\" bash benchmarks/gpu/run.sh\`; total ${SECONDS} s. Sections below are the scripts' own outputs."
   for f in tests compare overhead cve fair cross long compile deploy; do
     if [[ -s "$TMP/$f.md" ]]; then echo; sed 's/^# /## /' "$TMP/$f.md"; fi
   done

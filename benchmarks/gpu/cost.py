@@ -1,10 +1,10 @@
 """PREDICTED cost of one attention call of the kernel on an H200, phase by phase, against the unmodified model's
 attention (issue 51 item 4, issue 49 item 1): nothing here has run on a GPU; the GPU run checks it.
 
-    python benchmarks/gpu_cost.py inductor    # .venv-cuda only: Inductor's byte counts of the kernel's phases and of
+    python benchmarks/gpu/cost.py inductor    # .venv-cuda only: Inductor's byte counts of the kernel's phases and of
                                               # the fused form's two flex calls -> results/gpu_cost_inductor.json
-    python benchmarks/gpu_cost.py report      # results/gpu_cost.md and the section of docs/gpu.md, from that JSON
-    python benchmarks/gpu_cost.py report --check   # exit 1 if either file differs from what it would write
+    python benchmarks/gpu/cost.py report      # results/gpu_cost.md and the section of docs/gpu.md, from that JSON
+    python benchmarks/gpu/cost.py report --check   # exit 1 if either file differs from what it would write
 
 Shapes: Llama-3.1-8B (`LLAMA_8B`): L = 32 layers, H = 32 query heads, h = 8 KV heads, g = H / h,
 d = 128, bf16 (e = 2 bytes; the kernel's fp32 work f = 4 bytes), batch 1, the kernel's window w = 32
@@ -64,14 +64,14 @@ import math
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+HERE = Path(__file__).resolve().parent  # benchmarks/gpu
+ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 from fxbudget.kernel.flex_measure import VALUE_DIM  # noqa: E402  (d' of the transposed call's values)
-INDUCTOR_JSON = HERE / "results" / "gpu_cost_inductor.json"
-REPORT = HERE / "results" / "gpu_cost.md"
+INDUCTOR_JSON = HERE.parent / "results" / "gpu_cost_inductor.json"
+REPORT = HERE.parent / "results" / "gpu_cost.md"
 DOCS = ROOT / "docs" / "gpu.md"
-BEGIN, END = "<!-- gpu_cost: begin (python benchmarks/gpu_cost.py report) -->", "<!-- gpu_cost: end -->"
+BEGIN, END = "<!-- gpu_cost: begin (python benchmarks/gpu/cost.py report) -->", "<!-- gpu_cost: end -->"
 
 # H200 SXM (NVIDIA's datasheet): dense bf16 tensor-core peak, fp32 without tensor cores (same SMs as the H100 SXM),
 # HBM3e bandwidth.
@@ -312,7 +312,7 @@ def tables(s: dict, ind: dict | None) -> str:
              f"cache of {PREFILL_BUDGET} slots; decode: one token over B slots, against the unmodified model's "
              "decode over the full cache. The fused form's transposed call takes values of head dim "
              f"{VALUE_DIM} (zeros, `flex_measure.VALUE_DIM`: its output is discarded).", "",
-             "**By hand** (formulas: `benchmarks/gpu_cost.py`'s docstring), all layers:", "",
+             "**By hand** (formulas: `benchmarks/gpu/cost.py`'s docstring), all layers:", "",
              "| call | unmodified (flash) TFLOP / GB / time | today: measure TFLOP / GB / time | rule + evict GB "
              "| today / unmodified | fused: measure TFLOP / GB / time | fused / unmodified "
              "| whole model: today / fused |", "|---|---|---|---|---|---|---|---|"]
@@ -443,9 +443,9 @@ def decision(s: dict, ind: dict | None) -> str:
 
 def report_md(s: dict, ind: dict | None) -> str:
     return ("# Predicted cost on an H200 (PREDICTED, not measured)\n\n"
-            "Written by `python benchmarks/gpu_cost.py report` from the formulas in its docstring and from "
-            "`results/gpu_cost_inductor.json` (written by `python benchmarks/gpu_cost.py inductor` in `.venv-cuda`). "
-            "The GPU run (`benchmarks/gpu.sh`) checks these numbers.\n\n" + tables(s, ind) + "\n\n" + decision(s, ind)
+            "Written by `python benchmarks/gpu/cost.py report` from the formulas in its docstring and from "
+            "`results/gpu_cost_inductor.json` (written by `python benchmarks/gpu/cost.py inductor` in `.venv-cuda`). "
+            "The GPU run (`benchmarks/gpu/run.sh`) checks these numbers.\n\n" + tables(s, ind) + "\n\n" + decision(s, ind)
             + "\n")
 
 
@@ -471,7 +471,7 @@ def main(argv=None) -> int:
     s = shapes()
     if args.cmd == "inductor":
         sys.path.insert(0, str(HERE))
-        import gpu_cost_inductor
+        import cost_inductor as gpu_cost_inductor
 
         gpu_cost_inductor.run(INDUCTOR_CASES, {k: s[k] for k in ("H", "h", "d")}, s["w"], "snapkv", args.out,
                               fused=FUSED_LENGTHS, value_dim=VALUE_DIM)
@@ -481,7 +481,7 @@ def main(argv=None) -> int:
     stale = [p for p, t in want.items() if not p.exists() or p.read_text() != t]
     if args.check:
         for p in stale:
-            print(f"{p.relative_to(ROOT)} differs from `python benchmarks/gpu_cost.py report`")
+            print(f"{p.relative_to(ROOT)} differs from `python benchmarks/gpu/cost.py report`")
         return 1 if stale else 0
     for p in stale:
         p.write_text(want[p])
