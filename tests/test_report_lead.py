@@ -107,3 +107,16 @@ def test_glossary_closes_the_report_and_the_cost_table_says_what_it_times():
     eager = R.markdown([row(r, i) for r in ("full", "snapkv") for i in range(2)], []).split("### cost", 1)[1]
     assert "fxbudget's eager kernel (`--backend none`, no compilation), on 1 torch thread of cpu" in eager
     assert "`benchmarks/results/overhead.md`" in note and "`benchmarks/results/fairness_spread.md`" in note
+
+
+def test_a_tie_at_zero_asks_for_an_easier_task_not_a_harder_one():
+    # Issue 55: every budgeted rule at 0.00 was told "a harder task or a smaller budget would" separate them.
+    rows = [row(r, i, score=0.0) for r in ("snapkv", "knorm", "h2o") for i in range(3)]
+    text = lead_paragraph(rows)
+    assert "all 3 rules tie (accuracy 0.00)" in text
+    assert text.endswith("no number of such samples separates them: where every rule scored 0.00, an easier task, "
+                         "a larger budget or `--protocol query-aware` (the question seen before compressing) would.")
+    aware = lead_paragraph([dict(r, protocol="query-aware") for r in rows])
+    assert "an easier task or a larger budget would." in aware and "--protocol" not in aware
+    top = lead_paragraph([row(r, i) for r in ("snapkv", "knorm") for i in range(3)])
+    assert top.endswith("where every rule scored 1.00, a harder task or a smaller budget would.")

@@ -15,10 +15,11 @@ def _names(rules: list[str]) -> str:
     return ", ".join(rules[:-1]) + f" and {rules[-1]}" if len(rules) > 1 else rules[0]
 
 
-def _budget_clause(rows, metric: str, b) -> tuple[str, bool, tuple[int, str, str] | None] | None:
-    """One clause on budget `b`, whether the leader is separated from every other rule, and `(samples, leader,
+def _budget_clause(rows, metric: str, b) -> tuple[str, bool, tuple[int, str, str] | None, float] | None:
+    """One clause on budget `b`, whether the leader is separated from every other rule, `(samples, leader,
     rule)`: the projected paired samples that would separate the leader from the lowest rule not separated from it
-    (None: settled, or no difference to project from). None when budget `b` has nothing to compare."""
+    (None: settled, or no difference to project from), and the leader's mean. None when budget `b` has nothing to
+    compare."""
     got = paired(rows, metric).get(b)
     if got is None:
         return None
@@ -54,25 +55,45 @@ def _budget_clause(rows, metric: str, b) -> tuple[str, bool, tuple[int, str, str
         values = paired_values(rows, metric, b)
         got = samples_for_power(values[top.rule] - values[target], others)
         need = None if got is None else (max(got, n + 1), top.rule, target)  # not separated at n: more than n
-    return f"at B={b}, {who}{' ' if sure.startswith('on ') else ', '}{sure}", not same, need
+    return f"at B={b}, {who}{' ' if sure.startswith('on ') else ', '}{sure}", not same, need, top.mean
+
+
+def _tie_advice(metric: str, means: list[float], protocols: set[str]) -> str:
+    """What would separate rules that score the same on average, by where they tie: at accuracy 0 every rule lost
+    the answer (an easier task, a larger budget, or asking the question before compressing would tell them apart);
+    at 1 none did (a harder task or a smaller budget would)."""
+    if metric != "accuracy":
+        return "a different task or budget would"
+    ways = []
+    if any(m == 0.0 for m in means):
+        more = " or a larger budget" if protocols <= {"query-aware"} else \
+            ", a larger budget or `--protocol query-aware` (the question seen before compressing)"
+        ways.append(f"where every rule scored 0.00, an easier task{more} would")
+    if any(m == 1.0 for m in means):
+        ways.append("where every rule scored 1.00, a harder task or a smaller budget would")
+    if any(0.0 < m < 1.0 for m in means):
+        ways.append("elsewhere, a different task or budget would")
+    return "; ".join(ways)
 
 
 def lead_paragraph(rows: list[dict], sort: str = "accuracy") -> str:
     """The paragraph (Markdown, one line) that opens a report; a sentence that nothing can be compared when no
     budget has two budgeted rules on common samples."""
     several = len(settings(rows)) > 1
-    clauses, needs, open_ = [], [], 0
+    clauses, needs, open_, tied = [], [], 0, []
     for s in settings(rows):
         srs = [r for r in rows if setting(r) == s]
         for b in budgets(srs):
             got = _budget_clause(srs, sort, b)
             if got is None:
                 continue
-            text, settled, need = got
+            text, settled, need, mean = got
             clauses.append(f"{s}, {text}" if several else text)
             open_ += not settled
             if need is not None:
                 needs.append((f"{s}, B={b}" if several else f"B={b}", *need))
+            elif not settled:
+                tied.append(mean)
     if not clauses:
         return ("**Answer:** nothing to compare: no budget has two budgeted rules on the same samples (add rules or "
                 "budgets).")
@@ -84,7 +105,7 @@ def lead_paragraph(rows: list[dict], sort: str = "accuracy") -> str:
                  "(projected from these samples' differences: a guide, not a promise).")
     if open_ > len(needs):
         text += (" Where the leader and the rules not separated from it score the same on average, no number of "
-                 "such samples separates them: a harder task or a smaller budget would.")
+                 "such samples separates them: " + _tie_advice(sort, tied, {r.get("protocol", "") for r in rows}) + ".")
     if not open_:
         text += " Each leader is separated from every other rule at its budget."
     return text
