@@ -32,9 +32,14 @@ TORCH_OLDEST ?= 2.11.0
 .PHONY: demo demo-gemma test test-newest test-newest-torch test-oldest-torch test-cuda-codegen install clean docs
 
 $(VENV)/.installed: pyproject.toml constraints.txt
+	@# Said before it happens: an existing $(VENV) (the user's own) gets the pinned versions and the test extras.
+	@echo "make: installing fxbudget[models,test] into $(VENV) at the versions pinned in constraints.txt" \
+		"(transformers $$(sed -n 's/^transformers==//p' constraints.txt), torch $(TORCH_VERSION) on a CPU-only" \
+		"machine); packages already there are changed to those versions. To keep your own environment, run" \
+		"'python -m fxbudget.demo' in it instead."
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	@# On a machine without a CUDA GPU take the CPU build of torch first; the package metadata keeps torch>=2.13.
+	@# On a machine without a CUDA GPU take the CPU build of torch first; the package metadata keeps torch>=2.11.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS); fi
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[models,test]"

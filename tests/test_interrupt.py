@@ -190,3 +190,13 @@ def test_a_second_ctrl_c_raises_at_once_and_immediate_raises_on_the_first():
         with pytest.raises(KeyboardInterrupt), interrupt.immediate():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(5)
+
+
+def test_the_first_ctrl_c_says_at_once_that_it_was_heard(capfd):
+    # Issue 55: after a Ctrl-C inside a row nothing printed for the seconds the row took to reach its safe point.
+    with interrupt.deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        assert capfd.readouterr().err == interrupt.NOTICE
+        assert "interrupted" not in interrupt.NOTICE  # the one "interrupted" line stays the last one
+        with pytest.raises(KeyboardInterrupt):
+            interrupt.checkpoint("test")

@@ -15,12 +15,16 @@ Only the main thread can install a signal handler: elsewhere `deferred()` change
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 
 _requested = False  # a Ctrl-C was pressed while deferred
 _immediate = False  # inside `immediate()`: raise on the first Ctrl-C
 _installed = False
+# Said at once on the first Ctrl-C: the safe point can be a row's seconds away, and silence reads as "not heard".
+NOTICE = ("[fxbudget] Ctrl-C: stopping at the next safe point (every finished row is kept); press Ctrl-C again to "
+          "stop at once.\n")
 
 
 def _handler(signum, frame) -> None:
@@ -28,6 +32,8 @@ def _handler(signum, frame) -> None:
     first = not _requested
     _requested = True
     if first and not _immediate:
+        # os.write, not print: a handler that runs while the main thread is inside sys.stderr.write would re-enter it.
+        os.write(2, NOTICE.encode())
         return  # stop at the next `checkpoint()`
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a third Ctrl-C: Python's own behaviour
     raise KeyboardInterrupt

@@ -1,0 +1,43 @@
+"""Issue 55, items 5 and 6: the smaller traps of the first hour, each checked against what it describes: the
+README's install block installs the CPU torch before the package, docs/install.md lists every command the CLI has,
+the Makefile's comment on the torch floor is pyproject's, and `make demo` says before it reinstalls a venv."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_install_block_takes_the_cpu_torch_before_the_package():
+    install = (ROOT / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```\n(.*?)```", install, re.S).group(1).splitlines()
+    torch_line = next(i for i, x in enumerate(block) if x.startswith("pip install torch ") and "whl/cpu" in x)
+    package_line = next(i for i, x in enumerate(block) if x.startswith("pip install -e"))
+    assert torch_line < package_line, block
+
+
+def test_install_lists_every_command():
+    from fxbudget.cli.parser import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    listed = re.search(r"fxbudget --help +# the commands: (.*)", (ROOT / "docs" / "install.md").read_text()).group(1)
+    assert sorted(listed.replace(" ", "").split(",")) == sorted(sub.choices)
+
+
+def test_the_makefile_says_the_torch_floor_pyproject_declares():
+    floor = re.search(r'"torch>=([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    said = re.findall(r"torch>=(\d+(?:\.\d+)*)", (ROOT / "Makefile").read_text())
+    assert said and set(said) == {floor}, said
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_demo_says_it_installs_pinned_versions_before_it_does(tmp_path):
+    plan = subprocess.run(["make", "-n", "demo", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout
+    notice = plan.index("packages already there are changed to those versions")
+    assert notice < plan.index("-m venv") < plan.index("pip install")
+    assert "constraints.txt" in plan[:notice]
