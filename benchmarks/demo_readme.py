@@ -175,17 +175,25 @@ def quick_regions() -> dict[str, str]:
     """The quick start's regions: its command, wall time and load, and what it printed."""
     wall = json.loads((DOCS / "wall.json").read_text())
     rel = DOCS.relative_to(ROOT).as_posix()
-    command = " ".join(quick_args(PREFIX)).replace(" --rules", " \\\n    --rules")
+    if wall["command"].split(" fxbudget ", 1)[-1] != " ".join(quick_args(PREFIX)):
+        raise SystemExit(f"{rel}/wall.json measured `{wall['command']}`, not this grid's command: rerun the grid")
+    # The command as measured, its thread setting included: the time beside it is that command's.
+    command = wall["command"].replace(" --rules", " \\\n    --rules")
     return {
-        "command": f"```\nfxbudget {command}\n```",
+        "command": f"```\n{command}\n```",
         "time": _minutes(wall["wall_s"]),
         "cpu": _minutes(wall["cpu_s"]),
         "threads": _threads(wall),
         "machine": f"measured {wall['date']} in a fresh clone (commit {wall['clone']}) with an empty "
                    f"`FXBUDGET_CACHE`, load average {wall['load_before']} before and {wall['load_after']} after on "
-                   f"this 2-core machine ({rel}/wall.json)",
+                   f"{_machine(wall)} ({rel}/wall.json)",
         "output": "```\n" + (DOCS / "output.txt").read_text().strip() + "\n```",
     }
+
+
+def _machine(wall: dict) -> str:
+    """The machine a timing was measured on, as wall.json records it: a time means little without it."""
+    return f"a {wall['cores']}-core {wall['cpu']}"
 
 
 def _threads(wall: dict) -> str:
@@ -209,6 +217,8 @@ def regions() -> dict[str, str]:
     rel = DOCS.relative_to(ROOT).as_posix()
     return {
         "time": _minutes(wall["wall_s"]),
+        "machine": f"{_machine(wall)}, {wall['torch_threads']} torch thread{'s' if wall['torch_threads'] != 1 else ''}"
+                   f", load average {wall['load_before']} before (`{wall['command']}`, {rel}/wall.json)",
         "rows": str(rows),
         "table": _section(report, "accuracy"),
         "likelihood table": _section(report, "answer log-likelihood"),

@@ -219,7 +219,7 @@ def test_grid_tokens_and_estimate_line():
     grid.backend = None
     line = sizes.estimate_line(grid, [(plan[0][0], todo[:1])], samples, sized, None, "cpu", None)
     assert line.startswith("1 row on 1 sample: 113 prompt and answer tokens through the model, at most 5 decoding "
-                           "steps; estimated") and "a rough estimate" in line
+                           "steps; estimated") and "on the reference machine, not this one" in line
     assert "no time estimate on cuda:0" in sizes.estimate_line(grid, plan, samples, sized, None, "cuda:0", None)
 
 
@@ -267,8 +267,8 @@ def test_ctrl_c_says_what_is_saved_and_the_rerun_resumes(tiny_dir, tmp_path, cap
     # Before the rows: the budget at or above the context, the estimate, the protocol note.
     assert any(re.match(r"\[fxbudget\] warning: --budgets 400 is at or above the context \(\d+ tokens, passkey at "
                         r"300 tokens\)", line) for line in lines), err
-    assert any(re.match(r"\[fxbudget\] 3 rows on 1 sample: \d+ prompt and answer tokens .*; estimated \d+ s \(a "
-                        r"rough estimate", line) for line in lines), err
+    assert any(re.match(r"\[fxbudget\] 3 rows on 1 sample: \d+ prompt and answer tokens .*; estimated \d+ s on the "
+                        r"reference machine, not this one", line) for line in lines), err
     assert any(line.startswith("[fxbudget] protocol query-agnostic: snapkv chooses with the attention of the latest "
                                "queries") for line in lines), err
     assert len(load_rows([out])) == 1

@@ -41,3 +41,29 @@ def test_make_demo_says_it_installs_pinned_versions_before_it_does(tmp_path):
     notice = plan.index("packages already there are changed to those versions")
     assert notice < plan.index("-m venv") < plan.index("pip install")
     assert "constraints.txt" in plan[:notice]
+
+
+def test_the_uncalibrated_estimate_names_the_machine_its_rates_come_from():
+    import json
+
+    from fxbudget.cli import sizes
+
+    wall = json.loads((ROOT / "docs" / "quickstart" / "wall.json").read_text())
+    words = sizes.REFERENCE_MACHINE.split()
+    assert f"{wall['cores']}-core" in words and "Xeon" in wall["cpu"] and "Xeon" in words, (wall, words)
+    assert ("AVX-512" in sizes.REFERENCE_MACHINE) == ("AVX512" in wall["cpu"])
+    assert wall["torch_threads"] == 1
+
+
+def test_the_printed_quick_command_is_the_measured_one():
+    # Issue 55: the README's time was measured with OMP_NUM_THREADS=1, which the printed command left out.
+    import json
+
+    wall = json.loads((ROOT / "docs" / "quickstart" / "wall.json").read_text())
+    for page in ("README.md", "docs/quick-start.md"):
+        text = (ROOT / page).read_text()
+        block = text.split("<!-- quick command -->", 1)[1].split("<!-- /quick command -->", 1)[0]
+        printed = " ".join(block.replace("\\\n", " ").strip().strip("`").split())
+        assert printed == wall["command"], (page, printed)
+        machine = text.split("<!-- quick machine -->", 1)[1].split("<!-- /quick machine -->", 1)[0]
+        assert f"{wall['cores']}-core {wall['cpu']}" in machine, (page, machine)

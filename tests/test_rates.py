@@ -69,7 +69,7 @@ def test_second_run_is_estimated_from_the_first(tiny_dir, tmp_path, capsys, shar
              "2", "--quiet", "--rules", "full,snapkv", "--budgets", "32"]
     assert main(["compare", *small, "--out", str(tmp_path / "a")]) == 0
     first = capsys.readouterr().err
-    assert "(a rough estimate" in first and "the next run on this machine is calibrated" in first
+    assert "on the reference machine, not this one" in first and "the next run on this machine is calibrated" in first
     (entry,) = [json.loads(line) for line in rates.path().read_text().splitlines()]
     assert entry["key"].endswith("|cpu|float32|" + entry["key"].split("|")[3] + "|eager")
     assert entry["rows"] == 2 and entry["formula_s"] > 0 and entry["rows_s"] > 0 and entry["fixed_s"] > 0

@@ -21,6 +21,9 @@ from .preflight import UsageError
 # count as prompt tokens. tests/test_first_hour.py holds these constants within a factor of two of that file.
 CPU_PREFILL_TOKENS_S = 113.0
 CPU_DECODE_STEPS_S = 3.0
+# Where those rates were measured (docs/quickstart/wall.json, held to it by tests/test_first_hour_fourth_pass.py):
+# the estimate says it is that machine's time, not the reader's, until a run here calibrates it.
+REFERENCE_MACHINE = "an idle 2-core Intel Xeon with AVX-512"
 # The embedded model's shape (Qwen2.5-Coder-0.5B-Instruct's config), what the rates above were measured on.
 EMBEDDED_SHAPE = dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864, vocab_size=151936,
                       num_attention_heads=14, num_key_value_heads=2, head_dim=64)
@@ -234,11 +237,11 @@ def estimate_line(grid, plan, samples: dict, sized: list[tuple], config, device:
     if device != "cpu":
         return (f"{head}; no time estimate on {device} yet (fxbudget has no committed GPU measurement; the next run "
                 "here is estimated from this one's)")
-    return (f"{head}; estimated {_duration(formula)} (a rough estimate for an otherwise idle machine: the embedded "
-            f"0.5B model's "
-            f"{CPU_PREFILL_TOKENS_S:.0f} prompt tokens/s and {CPU_DECODE_STEPS_S:.0f} steps/s on one CPU thread, from "
-            f"the committed quick start, scaled {_scale(config):.2g}x by model size; model load and kernel "
-            "fingerprints not included; the next run on this machine is calibrated on this one's measured rate)")
+    return (f"{head}; estimated {_duration(formula)} on the reference machine, not this one ({REFERENCE_MACHINE}, "
+            f"one torch thread: the embedded 0.5B model's {CPU_PREFILL_TOKENS_S:.0f} prompt tokens/s and "
+            f"{CPU_DECODE_STEPS_S:.0f} steps/s in the committed quick start, every answer decoded to its limit, "
+            f"scaled {_scale(config):.2g}x by model size; model load and kernel fingerprints not included; the next "
+            "run on this machine is calibrated on this one's measured rate)")
 
 
 def load_warning(device: str, threads: int, *, calibrated: bool, load: float | None = None,
