@@ -57,7 +57,7 @@ def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: in
 def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *, chunk_size: int | None = None,
             backend: str | None = "inductor", headroom: int = 0, block: int | None = DEFAULT_BLOCK,
             cudagraphs: bool = False, head_pool: bool | None = None, interval: int = 1, measure: str = "auto",
-            **rule_params) -> nn.Module:
+            progress: bool = True, **rule_params) -> nn.Module:
     """Run `model` with a KV cache of at most `budget` entries per layer and KV head, evicting with `rule`.
 
     The model is modified in place (its `forward` is wrapped) and returned; `model.forward.restore()` undoes it.
@@ -98,6 +98,8 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
             a layer grows by up to `interval - 1` entries beyond the budget (the slots are allocated up front) and
             the steps that do not evict skip the rule's scoring (they run the rule-independent frozen call); see
             `BudgetCache` and docs/DESIGN.md §3.
+        progress: print a line on stderr before and after a call of 512 tokens or more (a prefill: tens of seconds
+            on a CPU) and, while decoding, one every 10 s (`fxbudget.compiler.progress`); False: silent.
         **rule_params: hyperparameters of a named rule, e.g. `window=64` for snapkv (for `"adakv:<rule>"`,
             `alpha` goes to AdaKV, the rest to the wrapped rule).
 
@@ -128,4 +130,4 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
                          "cannot find it in this model (attention modules with a layer_idx and a linear o_proj)")
     return BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend, headroom=headroom,
                          block=block, cudagraphs=cudagraphs, head_pool=head_pool, interval=interval,
-                         measure=measure).install()
+                         measure=measure, progress=progress).install()

@@ -67,3 +67,28 @@ def test_the_printed_quick_command_is_the_measured_one():
         assert printed == wall["command"], (page, printed)
         machine = text.split("<!-- quick machine -->", 1)[1].split("<!-- /quick machine -->", 1)[0]
         assert f"{wall['cores']}-core {wall['cpu']}" in machine, (page, machine)
+
+
+def test_a_long_generate_says_what_it_does(monkeypatch, capsys):
+    # Issue 55: the README's Python example was silent for 87 s after its model load (prefill, then decoding).
+    import torch
+
+    import fxbudget
+    from conftest import tiny_model
+    from fxbudget.compiler import progress
+
+    monkeypatch.setattr(progress, "PREFILL_TOKENS", 40)
+    ids = torch.randint(3, 96, (1, 60))
+    ticks = iter(range(0, 10_000, 4))  # each clock read 4 s after the last: a decode line every third step
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: float(next(ticks)))
+    model = fxbudget.compile(tiny_model(), rule="snapkv", budget=64, backend=None)
+    model.generate(ids, max_new_tokens=7, do_sample=False, min_new_tokens=7)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"[fxbudget] prefill: {ids.shape[1]} tokens through snapkv at budget 64 ..."
+    assert lines[1] == "[fxbudget] prefill done in 4.0 s"
+    assert lines[2].startswith("[fxbudget] decoding: 3 steps in ") and lines[3].startswith("[fxbudget] decoding: 6 ")
+    assert len(lines) == 4
+    model.forward.restore()
+    quiet = fxbudget.compile(tiny_model(), rule="snapkv", budget=64, backend=None, progress=False)
+    quiet.generate(ids, max_new_tokens=3, do_sample=False)
+    assert capsys.readouterr().err == ""

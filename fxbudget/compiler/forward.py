@@ -21,6 +21,7 @@ from ..passes.eager import BudgetAttentionMode
 from ..kernel import DEFAULT_BLOCK
 from ..cache.for_model import check_cache, model_cache, resolve_head_pool
 from .positions import call_positions
+from .progress import CallProgress
 from .regions import compiled_forward
 from ..rules import Rule, get
 
@@ -62,7 +63,7 @@ class BudgetForward:
 
     def __init__(self, model: nn.Module, rule: Rule, budget: int, *, chunk_size: int | None,
                  backend: str | None, headroom: int, block: int | None = DEFAULT_BLOCK, cudagraphs: bool = False,
-                 head_pool: bool | None = None, interval: int = 1, measure: str = "auto"):
+                 head_pool: bool | None = None, interval: int = 1, measure: str = "auto", progress: bool = False):
         """Build the forward of `model` (not yet installed: see `install`); the compiled graphs live here, so a
         forward installed, restored and installed again keeps them."""
         self.model, self.rule, self.budget, self.block = model, rule, budget, block
@@ -71,6 +72,7 @@ class BudgetForward:
         self.chunk_size, self.backend, self.headroom, self.cudagraphs = chunk_size, backend, headroom, cudagraphs
         self.interval = interval  # decode steps between evictions in the caches this forward creates (`new_cache`)
         self.window = kernel_window(rule)
+        self.progress = CallProgress(progress, f"{rule.name} at budget {budget}")
         self.original = model.forward
         self.buckets: tuple[int, ...] = (chunk_size,) if chunk_size else ()
         self.graphs: list[fx.GraphModule] = []  # rewritten graphs compiled so far (one per region and input shape)
@@ -292,6 +294,7 @@ class BudgetForward:
         # If only the last `keep` positions are wanted and the final chunk holds them, earlier chunks compute 1.
         tail_only = len(chunks) == 1 or 0 < keep <= chunks[-1].stop - chunks[-1].start
         outputs, logits = None, []
+        self.progress.before(batch, n)
         for i, (sl, real) in enumerate(zip(chunks, reals)):
             last = i == len(chunks) - 1
             part = {"input_ids": input_ids[:, sl]} if input_ids is not None else {"inputs_embeds": inputs_embeds[:, sl]}
@@ -312,6 +315,7 @@ class BudgetForward:
             cache.next_pos += (chunk_pos >= 0).sum(-1).to(cache.next_pos.device)
             if not tail_only:
                 logits.append(outputs.logits)
+        self.progress.after(n)
         if logits:
             outputs.logits = torch.cat(logits, dim=1)[:, -keep:] if keep else torch.cat(logits, dim=1)
         if labels is not None:

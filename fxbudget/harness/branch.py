@@ -73,7 +73,7 @@ def shared_prefill(model: nn.Module, input_ids: Tensor, *, window: int = DEFAULT
     recorder = _Recorder(window=window)
     # One slot per layer: what the record cache keeps does not matter (only its sliding layers are reused), and the
     # new tokens' signals do not depend on the number of empty slots; fewer slots make the recorded forward cheaper.
-    fx_compile(model, rule=recorder, budget=1, backend=None, block=block)
+    fx_compile(model, rule=recorder, budget=1, backend=None, block=block, progress=False)
     try:
         cache = model.forward.new_cache(input_ids.shape[0])
         with torch.no_grad(), recording() as calls:

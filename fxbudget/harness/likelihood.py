@@ -128,7 +128,7 @@ def rule_answer_logprobs(model: nn.Module, prefill: SharedPrefill, rule: Rule | 
     """
     rule = get(rule, **rule_params)
     headroom = frozen_tokens(protocol, question.shape[1], answer.shape[1])
-    fx_compile(model, rule=rule, budget=budget, backend=None, headroom=headroom)
+    fx_compile(model, rule=rule, budget=budget, backend=None, headroom=headroom, progress=False)
     try:
         cache = model.forward.new_cache(prefill.logits.shape[0])
         branch(prefill, cache, rule)

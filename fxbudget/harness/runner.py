@@ -258,7 +258,7 @@ class Runner:
             forward.install()
             return forward
         fx_compile(self.model, rule=rule, budget=budget, chunk_size=g.chunk_size, backend=g.backend,
-                   headroom=self.headroom, **self._pool)
+                   headroom=self.headroom, progress=False, **self._pool)
         forward = self._forwards[key] = self.model.forward
         if g.backend is not None:
             forward.buckets = tuple(sorted({self.question_bucket, g.chunk_size} - {None, 0}))

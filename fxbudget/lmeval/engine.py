@@ -69,7 +69,7 @@ class Budgeted:
         forward = self._forwards.get(key)
         if forward is None:
             fx_compile(self.model, rule=self.opts.rule, budget=budget, chunk_size=chunk, backend=self.opts.backend,
-                       block=self.opts.block)
+                       block=self.opts.block, progress=False)
             forward = self._forwards[key] = self.model.forward
         else:
             forward.install()
