@@ -2,7 +2,7 @@
 
 Lowers every case of the codegen leg (`tests/test_cuda_codegen.CASES`) to Triton source only (no cubins or hsacos:
 the choices are made before Triton compiles) with the fake devices of `tests/fake_cuda.py` and `tests/fake_hip.py`,
-and writes the table docs/gpu.md quotes, with the Triton kernel counts and the HIP-only hints, to
+and writes the table docs/gpu-internals.md quotes, with the Triton kernel counts and the HIP-only hints, to
 `benchmarks/results/codegen_fallbacks.md`. Needs the codegen venv (torch's CUDA build, the pinned pair):
 
     OMP_NUM_THREADS=1 .venv-cuda/bin/python benchmarks/codegen_fallbacks.py    # 56 lowerings, ~4.5 min of one core

@@ -4,12 +4,12 @@ sm_90 device exists, in one place, pinned to one torch/Triton pair (`PINNED`).
 `lower(gm, example_inputs, sm=...)` runs `compile_fx` on a graph whose inputs are fake CUDA tensors: Inductor writes
 the Triton source (`Lowered.source`) and Triton with its bundled ptxas compiles every kernel's every autotuning
 config to a cubin for that sm (`Lowered.cubins`); only loading onto a device (the launchers) is skipped. What it
-proves and what not: docs/gpu.md.
+proves and what not: docs/gpu-internals.md.
 
 The patches reach private internals of torch and Triton. They are applied only inside `fake_gpu(...)` and undone on
 exit, and they are checked before any is applied: another torch or Triton than `PINNED`, or a patch target that
 moved, raises `FakeCudaError` naming it (never a skip). To move the pair: install the new torch, run
-`make test-cuda-codegen`, fix each named target against the new sources, then move `PINNED` (docs/gpu.md).
+`make test-cuda-codegen`, fix each named target against the new sources, then move `PINNED` (docs/gpu-internals.md).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def check_pinned() -> None:
     if pair != PINNED:
         raise FakeCudaError(f"tests/fake_cuda.py is pinned to torch {PINNED[0]} / Triton {PINNED[1]}, found torch "
                             f"{pair[0]} / Triton {pair[1]}: check every target in TARGETS against the new sources, "
-                            f"then move PINNED (docs/gpu.md)")
+                            f"then move PINNED (docs/gpu-internals.md)")
     if torch.version.cuda is None:
         raise FakeCudaError(f"torch {torch.__version__} is a CPU build: the CUDA lowering needs the CUDA build "
                             f"(pip install torch=={PINNED[0]})")

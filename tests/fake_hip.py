@@ -1,4 +1,4 @@
-"""Inductor's ROCm lowering on a machine without an AMD GPU: the HIP variant of `fake_cuda` (docs/gpu.md).
+"""Inductor's ROCm lowering on a machine without an AMD GPU: the HIP variant of `fake_cuda` (docs/gpu-internals.md).
 
 `lower(gm, example_inputs, arch="gfx942")` is `fake_cuda.lower` for an AMD device: inside `fake_gpu(arch)` torch
 reports a HIP build (`torch.version.hip`) with one gfx942 (MI300X) or gfx90a (MI250) device (`PROPS`: its

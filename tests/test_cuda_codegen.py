@@ -1,4 +1,4 @@
-"""The kernel's CUDA code, generated without a GPU (`-m cuda_codegen`, `make test-cuda-codegen`; docs/gpu.md).
+"""The kernel's CUDA code, generated without a GPU (`-m cuda_codegen`, `make test-cuda-codegen`; docs/gpu-internals.md).
 
 Each case runs a tiny model once on CPU through `fxbudget.compile(..., backend="eager")` (the same rewrite as
 Inductor's, the graphs recorded in `model.forward.graphs`), then lowers the rewritten graph it names with Inductor

@@ -92,3 +92,19 @@ def test_a_long_generate_says_what_it_does(monkeypatch, capsys):
     quiet = fxbudget.compile(tiny_model(), rule="snapkv", budget=64, backend=None, progress=False)
     quiet.generate(ids, max_new_tokens=3, do_sample=False)
     assert capsys.readouterr().err == ""
+
+
+def test_the_gpu_pages_agree_on_what_ran():
+    # Issue 55: docs/gpu.md said an H200 ran the prepared run and, further down, that no GPU had run fxbudget; that
+    # the flex form was no longer the default while settings.AUTO_FORM made it CUDA's; its hub example used the
+    # Inductor backend, whose prefill never finished compiling there.
+    from fxbudget.kernel.settings import AUTO_FORM
+
+    gpu, internals = ((ROOT / "docs" / p).read_text() for p in ("gpu.md", "gpu-internals.md"))
+    for text in (gpu, internals):
+        assert "No GPU has run" not in text and "no longer the default" not in text
+    assert AUTO_FORM["cuda"] == "flex" and "takes its flex form by default" in gpu
+    hub = gpu.split("## A model from the Hugging Face hub", 1)[1].split("```", 2)[1]
+    assert "fxbudget compare --model" in hub and "--backend inductor" not in hub
+    assert "its prefill not yet" in gpu  # where the compiled kernel is named, what was not timed is said
+    assert len(gpu.splitlines()) <= 160  # the short page; the internals have their own

@@ -1,5 +1,5 @@
 """The predicted GPU cost (benchmarks/gpu/cost.py): its score count is the kernel's own schedule, and the committed
-report and docs/gpu.md's section are what the script writes from the committed Inductor counts."""
+report and docs/gpu-internals.md's section are what the script writes from the committed Inductor counts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The kernel's ROCm code, generated without an AMD GPU (`-m cuda_codegen`, `make test-cuda-codegen`; docs/gpu.md).
+"""The kernel's ROCm code, generated without an AMD GPU (`-m cuda_codegen`, `make test-cuda-codegen`; docs/gpu-internals.md).
 
 The CUDA codegen check's cases (`test_cuda_codegen.CASES`, traced once per process by its `traced`), lowered by
 Inductor for a gfx942 (MI300X) device (`fake_hip.lower`): the Triton source for HIP, and where `RUNS` says so every

@@ -3,7 +3,7 @@ attention (issue 51 item 4, issue 49 item 1): nothing here has run on a GPU; the
 
     python benchmarks/gpu/cost.py inductor    # .venv-cuda only: Inductor's byte counts of the kernel's phases and of
                                               # the fused form's two flex calls -> results/gpu_cost_inductor.json
-    python benchmarks/gpu/cost.py report      # results/gpu_cost.md and the section of docs/gpu.md, from that JSON
+    python benchmarks/gpu/cost.py report      # results/gpu_cost.md and the section of docs/gpu-internals.md, from that JSON
     python benchmarks/gpu/cost.py report --check   # exit 1 if either file differs from what it would write
 
 Shapes: Llama-3.1-8B (`LLAMA_8B`): L = 32 layers, H = 32 query heads, h = 8 KV heads, g = H / h,
@@ -70,7 +70,7 @@ sys.path.insert(0, str(ROOT))
 from fxbudget.kernel.flex_measure import VALUE_DIM  # noqa: E402  (d' of the transposed call's values)
 INDUCTOR_JSON = HERE.parent / "results" / "gpu_cost_inductor.json"
 REPORT = HERE.parent / "results" / "gpu_cost.md"
-DOCS = ROOT / "docs" / "gpu.md"
+DOCS = ROOT / "docs" / "gpu-internals.md"
 BEGIN, END = "<!-- gpu_cost: begin (python benchmarks/gpu/cost.py report) -->", "<!-- gpu_cost: end -->"
 
 # H200 SXM (NVIDIA's datasheet): dense bf16 tensor-core peak, fp32 without tensor cores (same SMs as the H100 SXM),
@@ -455,7 +455,7 @@ def docs_section(s: dict, ind: dict | None) -> str:
 
 def updated_docs(text: str, section: str) -> str:
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"docs/gpu.md has no {BEGIN!r} ... {END!r} block to replace")
+        raise SystemExit(f"docs/gpu-internals.md has no {BEGIN!r} ... {END!r} block to replace")
     head, rest = text.split(BEGIN, 1)
     return head + section + rest.split(END, 1)[1]
 
@@ -465,7 +465,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     ap_i = sub.add_parser("inductor", help="lower the phases for a fake sm_90 (.venv-cuda) and write the JSON")
     ap_i.add_argument("--out", type=Path, default=INDUCTOR_JSON)
-    ap_r = sub.add_parser("report", help="write results/gpu_cost.md and docs/gpu.md's section")
+    ap_r = sub.add_parser("report", help="write results/gpu_cost.md and docs/gpu-internals.md's section")
     ap_r.add_argument("--check", action="store_true", help="exit 1 if a file differs from what would be written")
     args = ap.parse_args(argv)
     s = shapes()
