@@ -13,7 +13,7 @@ project was developed and tested with; they are not a hash published by Qwen.
 Results are on these 4-bit-quantized weights (`DEFAULT_MODEL_WEIGHTS`).
 
 The first call reassembles the GGUF, checks its size and SHA-256, loads it
-with transformers' GGUF support (which dequantizes it to dense fp32, ~45 s on
+with transformers' GGUF support (which dequantizes it to dense fp32, about a minute on
 a laptop CPU) and saves the result as a safetensors checkpoint in a cache
 directory. Every later call loads that checkpoint in about a second.
 """
@@ -175,7 +175,7 @@ def _convert_unlocked(target: Path, progress: bool, model: EmbeddedModel) -> Non
     try:
         gguf_path = staging / entry.gguf_name
         _assemble_gguf(gguf_path, progress, entry)
-        _log(progress, "loading GGUF and dequantizing to fp32 (takes ~45 s once)")
+        _log(progress, "loading GGUF and dequantizing to fp32 (once; about a minute on a 2-core CPU)")
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -299,7 +299,7 @@ def load_tokenizer(source: ModelSource):
 
     if source.kind == "default":
         entry = EMBEDDED[source.location] if source.location else DEFAULT
-        prepare_default(progress=True, model=entry)  # the first use converts the embedded GGUF (~45 s once)
+        prepare_default(progress=True, model=entry)  # the first use converts the embedded GGUF (once)
         return embedded_tokenizer(entry, default_cache_dir(entry))
     return AutoTokenizer.from_pretrained(source.location, **source.pretrained_kwargs())
 
