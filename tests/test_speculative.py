@@ -12,6 +12,7 @@ import torch
 
 import fxbudget
 from fxbudget.cache.budget_cache import BudgetCache
+from fxbudget.cache.keyword import cache_kwargs, output_cache
 
 from conftest import fresh, tiny_model
 
@@ -82,7 +83,7 @@ def test_covering_budget_equals_the_unmodified_model(arch, way, crops):
     assert torch.equal(out.sequences, ref)
     assert any(r <= -2 for r in crops), crops  # drafts were rejected and dropped
     # The cache holds each position of the sequence once (no rejected draft left) and its counts agree.
-    cache = out.past_key_values
+    cache = output_cache(out)
     n = ref.shape[1] - 1  # the last token is never fed
     assert cache.tokens_seen == n and cache.next_pos.tolist() == [n]
     assert all(h == list(range(n)) for h in held(cache))
@@ -112,8 +113,8 @@ def frozen_answer(m, ctx, question, n: int = 16, **kwargs):
         m(input_ids=ctx, past_key_values=cache)
         assert all(len(h) < ctx.shape[1] for h in held(cache))  # the budget evicted
         with cache.frozen():
-            out = m.generate(question, attention_mask=mask, past_key_values=cache, max_new_tokens=n, **GREEDY,
-                             **kwargs)
+            out = m.generate(question, attention_mask=mask, **cache_kwargs(m.forward.original, cache),
+                             max_new_tokens=n, **GREEDY, **kwargs)
     return out[0, question.shape[1]:], cache
 
 
@@ -183,8 +184,8 @@ def test_full_cache_is_refused_before_any_draft():
     with torch.no_grad():
         m(input_ids=ctx, past_key_values=cache)
     with pytest.raises(ValueError, match="the cache is full") as info:
-        generate(m, question, attention_mask=torch.ones(1, 24, dtype=torch.long), past_key_values=cache,
-                 assistant_model=draft)
+        generate(m, question, attention_mask=torch.ones(1, 24, dtype=torch.long),
+                 **cache_kwargs(m.forward.original, cache), assistant_model=draft)
     assert_one_line_refusal(info)
     assert cache.tokens_seen == 20
 
@@ -201,8 +202,8 @@ def test_evicting_after_a_crop_is_refused(crops):
         m(input_ids=ctx, past_key_values=cache)
         snap = cache.snapshot()
         with cache.frozen():
-            m.generate(question, attention_mask=torch.ones(1, 44, dtype=torch.long), past_key_values=cache,
-                       max_new_tokens=8, assistant_model=draft, **GREEDY)
+            m.generate(question, attention_mask=torch.ones(1, 44, dtype=torch.long),
+                       **cache_kwargs(m.forward.original, cache), max_new_tokens=8, assistant_model=draft, **GREEDY)
         assert crops
         seen = cache.tokens_seen
         with pytest.raises(ValueError, match="accumulated attention") as info:
