@@ -34,14 +34,21 @@ def speculative(way: str, draft) -> dict:
     return {"assistant_model": draft} if way == "assistant" else {"prompt_lookup_num_tokens": 3}
 
 
+class Crops(list):
+    """Every `BudgetCache.crop` argument of a test, in order; `caches`: the ids of the caches cropped."""
+
+    caches: set
+
+
 @pytest.fixture
 def crops(monkeypatch):
-    """Every `BudgetCache.crop` argument of the test, in order."""
-    seen: list[int] = []
+    seen = Crops()
+    seen.caches = set()
     crop = BudgetCache.crop
 
     def spy(self, tokens_to_remove):
         seen.append(tokens_to_remove)
+        seen.caches.add(id(self))
         return crop(self, tokens_to_remove)
 
     monkeypatch.setattr(BudgetCache, "crop", spy)
@@ -100,6 +107,19 @@ def test_covering_budget_compiled_and_pooled(rule, backend, way, crops):
     m = fxbudget.compile(fresh(target), rule=rule, budget=64, backend=backend)
     assert torch.equal(generate(m, ids, **speculative(way, draft)), ref)
     assert any(r <= -2 for r in crops), crops
+
+
+def test_budgeted_draft_model(crops):
+    # The draft compiled too: transformers crops its cache as well (5.23: by a count computed from get_seq_length(),
+    # a tensor here).
+    target, draft = tiny_model("qwen2"), draft_model("qwen2")
+    ids = prompt()
+    ref = generate(target, ids)
+    m = fxbudget.compile(fresh(target), rule="snapkv", budget=64, backend=None)
+    fxbudget.compile(draft, rule="h2o", budget=64, backend=None)
+    assert torch.equal(generate(m, ids, assistant_model=draft), ref)
+    assert any(r <= -2 for r in crops), crops
+    assert len(crops.caches) == 2  # the target's cache and the draft's
 
 
 def frozen_answer(m, ctx, question, n: int = 16, **kwargs):

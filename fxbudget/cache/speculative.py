@@ -66,6 +66,10 @@ def check_crop(cache, r: int) -> None:
 
 def crop(cache, tokens_to_remove: int) -> None:
     """`BudgetCache.crop`: forget the last `-tokens_to_remove` tokens of every row, exactly, or raise."""
+    if isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.numel() == 1 \
+            and not tokens_to_remove.is_floating_point():
+        # A draft model's own cache is cropped by a count computed from `get_seq_length()`, a tensor here.
+        tokens_to_remove = int(tokens_to_remove)
     if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
         raise TypeError(f"crop() takes an int, got {tokens_to_remove!r}")
     if tokens_to_remove > 0:  # transformers' own layers refuse the legacy absolute length the same way
