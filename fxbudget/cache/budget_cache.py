@@ -22,6 +22,7 @@ from ..kernel.state import SLOT_FIELDS, TOTALED, LayerConstants, LayerSlots, New
 from ..models.architectures import layer_shapes
 from ..models.layer_config import layer_inv_freq, layer_windows, text_config
 from ..kernel.marker import MarkerCall  # importing it also registers the marker op `fxbudget::candidates`
+from . import speculative
 
 
 # Every tensor of a layer's state: what a call writes in place, and so what saving, restoring, branching and resetting
@@ -58,6 +59,7 @@ class BudgetLayer(CacheLayerMixin):
     # hiding the 2-D padding mask that BudgetForward checks) and from compiling the forward a second time.
     is_compileable = False
     is_sliding = False
+    is_croppable = True  # `BudgetCache.crop` drops the newest tokens where exact and refuses elsewhere
 
     def __init__(self, *, layer: int, budget: int, slots: int, sliding: int, batch_size: int, kv_heads: int,
                  head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -158,6 +160,11 @@ class BudgetLayer(CacheLayerMixin):
         for n in LAYER_STATE:
             getattr(self, n).copy_(state[n])
 
+    def drop_from(self, first: Tensor, r: int) -> None:
+        """Empty the slots holding a position >= `first[b]` of their row and count `r` tokens fewer seen
+        (`BudgetCache.crop`; `fxbudget.cache.speculative.drop_slots`)."""
+        speculative.drop_slots(self, first, r)
+
     def head_positions(self) -> Tensor:
         """The positions each KV head holds, `[batch, kv_heads, C]` (-1 = none): `C = slots` unpooled, `kv_heads x
         slots` pooled (head `j`'s row lists the pool's slots, its own entries' positions, -1 elsewhere)."""
@@ -224,6 +231,10 @@ class BudgetCache(Cache):
             kept sets are the unpooled layout's). Sliding layers are never pooled.
     """
 
+    # transformers 5.25 asks before its first crop in assisted decoding (and before deferring a stop on MPS);
+    # `crop` itself refuses whatever it cannot drop exactly (`fxbudget.cache.speculative`).
+    is_croppable = True
+
     def __init__(self, config, budget: int, batch_size: int = 1, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | list | tuple | None = None, headroom: int = 0,
                  layer_budgets: list[int] | None = None, head_pool: bool = False, interval: int = 1):
@@ -279,6 +290,32 @@ class BudgetCache(Cache):
         # Entries held per budgeted layer, tracked on the Python side to check head-room before a call runs.
         self._held = [0] * len(self.layer_budgets)
         self._empty = True  # no token admitted yet (every layer, sliding ones included): `empty`
+        self._reset_crop()
+
+    # What `crop` reads to know whether dropping the newest tokens is exact (`fxbudget.cache.speculative`), kept on
+    # the Python side by `admit`: the last call's length and whether it evicted, the tokens admitted since the last
+    # call that evicted, and whether a crop left rejected queries' attention in the kept entries' state.
+    def _reset_crop(self) -> None:
+        self._last, self._clean, self._speculated = (0, False), 0, False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last `-tokens_to_remove` tokens of every row (what assisted generation and prompt lookup call
+        to drop the rejected draft tokens): their slots emptied (positions, carried state, per-token signals) and
+        the counts (`get_seq_length()`, each row's next position, the entries held) taken back.
+
+        Raises:
+            ValueError: where it cannot be exact: the tokens dropped (or a multi-token call cropped by 0) took part
+                in a call that evicted, or a full sliding-window layer would lose part of its window
+                (`fxbudget.cache.speculative`); a positive value (transformers' legacy absolute length).
+        """
+        speculative.crop(self, tokens_to_remove)
+
+    def activate_past_recording(self, **kwargs) -> None:
+        """Called by `generate()` on the cache it was given before assisted decoding starts: a cache whose next
+        call evicts (full, eviction not frozen) is refused here, before any draft is made."""
+        if not self._frozen and not self.fits(1):
+            raise speculative.refusal(self, speculative.FULL)
+        super().activate_past_recording(**kwargs)
 
     @property
     def has_wo(self) -> bool:
@@ -409,6 +446,11 @@ class BudgetCache(Cache):
         """Account for a call of `n` new tokens (`length` with pads, default `n`) before it runs; raises if frozen
         and the head-room is too small. With an `interval` > 1, decides whether a decode step (`length` 1) evicts
         (`evicting`; the layers' `keep`): see `grows`."""
+        length = n if length is None else length
+        grow = not self._frozen and self.grows(n, length)
+        drops = not self._frozen and not grow and not self.fits(n)  # the call evicts an entry it held
+        if drops and self._speculated:
+            raise speculative.refusal(self, speculative.STALE, speculative.STALE_FIX)
         if self._frozen:
             if any(held + n > b + self.headroom for held, b in zip(self._held, self.layer_budgets)):
                 raise RuntimeError(
@@ -416,7 +458,6 @@ class BudgetCache(Cache):
                     f"{self.budget} + headroom {self.headroom}; build the cache with a larger headroom=")
             self._held = [held + n for held in self._held]
         elif self.interval > 1:
-            grow = self.grows(n, n if length is None else length)
             self._since = self._since + 1 if grow else 0
             self.evicting = not grow
             for layer in self._budgeted():  # a static kernel argument: growing steps run the frozen graph
@@ -425,6 +466,7 @@ class BudgetCache(Cache):
         else:
             self._held = [min(held + n, b) for held, b in zip(self._held, self.layer_budgets)]
         self._empty = self._empty and n == 0
+        self._last, self._clean = (length, drops), 0 if drops else self._clean + length
 
     def grows(self, n: int, length: int) -> bool:
         """Whether a call of `length` tokens (`n` real) appends without evicting under this cache's `interval`: a
@@ -443,7 +485,8 @@ class BudgetCache(Cache):
     def snapshot(self) -> dict:
         """Every layer's state (`BudgetLayer.snapshot`) and the cache's own bookkeeping, for `restore`."""
         return {"layers": [layer.snapshot() for layer in self.layers], "held": list(self._held),
-                "empty": self._empty, "next_pos": self.next_pos.clone(), "since": self._since}
+                "empty": self._empty, "next_pos": self.next_pos.clone(), "since": self._since,
+                "crop": (self._last, self._clean, self._speculated)}
 
     def restore(self, snap: dict) -> None:
         """Put a `snapshot` back, in place (the tensors keep their addresses: a compiled forward sees the same
@@ -452,6 +495,7 @@ class BudgetCache(Cache):
             layer.load(state)
         self._held, self._empty = list(snap["held"]), snap["empty"]
         self._since = snap.get("since", 0)
+        self._last, self._clean, self._speculated = snap.get("crop", ((0, False), 0, False))
         self.next_pos.copy_(snap["next_pos"])
 
     def reset(self) -> None:
@@ -460,6 +504,7 @@ class BudgetCache(Cache):
             layer.keep = layer.budget
         self._held, self._frozen, self._empty = [0] * len(self.layer_budgets), False, True
         self._since, self.evicting = 0, True
+        self._reset_crop()
         self.next_pos.zero_()
 
     def _budgeted(self):
