@@ -108,3 +108,23 @@ def test_the_gpu_pages_agree_on_what_ran():
     assert "fxbudget compare --model" in hub and "--backend inductor" not in hub
     assert "its prefill not yet" in gpu  # where the compiled kernel is named, what was not timed is said
     assert len(gpu.splitlines()) <= 160  # the short page; the internals have their own
+
+
+def test_a_call_that_feeds_held_tokens_again_is_named():
+    # Issue 55, item 1: assisted generation over a prefilled cache re-feeds the whole prompt; the refusal said only
+    # that position_ids must continue the rows' positions.
+    import torch
+
+    import fxbudget
+    from conftest import tiny_model
+
+    model = fxbudget.compile(tiny_model(), rule="snapkv", budget=64, backend=None, progress=False)
+    ids = torch.randint(3, 96, (1, 30))
+    cache = model.forward.new_cache(1)
+    model(ids[:, :20], cache=cache)
+    with pytest.raises(ValueError, match=r"^position_ids restart at positions the cache already holds: .* pass only "
+                                         r"the new tokens"):
+        model(ids, cache=cache, position_ids=torch.arange(30)[None])
+    with pytest.raises(ValueError, match=r"^position_ids must continue each row's positions"):  # a gap, not a re-feed
+        model(ids[:, 20:], cache=cache, position_ids=torch.arange(21, 31)[None])
+    model.forward.restore()

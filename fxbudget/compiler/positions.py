@@ -55,7 +55,8 @@ def call_positions(cache: BudgetCache, n: int, attention_mask: Tensor | None, po
         pos = torch.where(real, nxt.unsqueeze(1) + real.long().cumsum(-1) - 1, -1)
     if n == 1 or (attention_mask is None and position_ids is None):
         return pos, sizes, n  # nothing read back (see the module docstring)
-    checks = [torch.ones((), dtype=torch.bool, device=device)] * 3  # mask values, mask vs cache, position_ids
+    # mask values, mask vs cache, position_ids, and whether they restart below the cache's positions (a re-feed)
+    checks = [torch.ones((), dtype=torch.bool, device=device)] * 3 + [torch.zeros((), dtype=torch.bool, device=device)]
     if attention_mask is not None:
         past = mask.shape[1] - n
         # One read for the whole call: every check, the cache's count, and the chunks' counts of real tokens.
@@ -66,6 +67,7 @@ def call_positions(cache: BudgetCache, n: int, attention_mask: Tensor | None, po
             raise ValueError(f"position_ids must have the call's {n} positions, got shape {tuple(position_ids.shape)}")
         given = position_ids.to(device).reshape(-1, n).expand(batch, n)
         checks[2] = (torch.where(pos >= 0, given, -1) == pos).all()
+        checks[3] = ((given < nxt.unsqueeze(1)) & (pos >= 0)).any()
     counts = [real.sum(-1).max(), *(real[:, sl].sum(-1).max() for sl in chunks)] if real is not None else []
     values = torch.stack([c.long() for c in checks + counts]).tolist()  # the call's only host read
     if not values[0]:
@@ -74,7 +76,12 @@ def call_positions(cache: BudgetCache, n: int, attention_mask: Tensor | None, po
     if not values[1]:
         raise ValueError("attention_mask does not match the cache: its past part must have as many 1s per row as "
                          "the tokens the cache has seen for that row")
+    if not values[2] and values[3]:
+        raise ValueError("position_ids restart at positions the cache already holds: this call feeds tokens again "
+                         "that the cache has seen (generate() with a prefilled cache re-feeds its whole input_ids "
+                         "under assisted generation); pass only the new tokens, with an attention_mask covering the "
+                         "cache's tokens and theirs")
     if not values[2]:
         raise ValueError("position_ids must continue each row's positions (left padding is given by "
                          "attention_mask; no gaps)")
-    return (pos, values[4:], values[3]) if counts else (pos, sizes, n)
+    return (pos, values[5:], values[4]) if counts else (pos, sizes, n)
