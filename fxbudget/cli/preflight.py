@@ -197,7 +197,7 @@ def tokenizer(source):
 
 
 def args_model(source) -> str:
-    return source.location if source.kind != "default" else source.name
+    return source.location if source.kind not in ("default", "random") else source.name
 
 
 def samples(grid, tok, plan=None) -> dict:

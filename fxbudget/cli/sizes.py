@@ -43,6 +43,10 @@ def model_config(source):
 
             return AutoConfig.from_pretrained(default_cache_dir(EMBEDDED[source.location] if source.location
                                                                 else DEFAULT))
+        if source.kind == "random":
+            from ..models.random_weights import load_config
+
+            return load_config(source.location, source.layers)
         return AutoConfig.from_pretrained(source.location, **source.pretrained_kwargs())
     except Exception:  # noqa: BLE001  (a config transformers cannot read: the model load will say why)
         return None

@@ -10,6 +10,7 @@ from pathlib import Path
 from statistics import mean
 
 from ..models.embedded import by_name
+from ..models.source import RANDOM
 from .answers import answers_tables
 from .decomposition import decomposed_rules, decomposition_section
 from .grouping import (METRICS, budget_label, budgets, by, logprob_delta, mean_or_none, metric_values,
@@ -183,6 +184,11 @@ def _header(rows: list[dict], sort: str) -> list[str]:
                 "signals" if windows else "none"),
              f"- kernel query block: {', '.join(blocks) if blocks else '-'}",
              _allocation_line([r for r in rows if r["rule"] != REFERENCE])]
+    random = [m for m in models if m.startswith(RANDOM)]
+    if random:
+        parts.append(f"- **seeded random weights** ({', '.join(f'`{m}`' for m in random)}): such a model answers "
+                     "nothing, so its accuracy and answer likelihood are meaningless; its rows measure time, memory "
+                     "and the kernel (one fingerprint), not which rule is better")
     unequal = unequal_samples(rows)
     if unequal:
         parts.append("- **warning: the rules did not all run the same samples** (merged runs of different grids?); "

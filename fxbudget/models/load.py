@@ -297,10 +297,14 @@ def load_tokenizer(source: ModelSource):
     """The tokenizer of a resolved model, without its weights (to build the samples before the model loads)."""
     from transformers import AutoTokenizer
 
+    from .byte_tokenizer import byte_tokenizer
+
     if source.kind == "default":
         entry = EMBEDDED[source.location] if source.location else DEFAULT
         prepare_default(progress=True, model=entry)  # the first use converts the embedded GGUF (once)
         return embedded_tokenizer(entry, default_cache_dir(entry))
+    if source.kind == "random":
+        return byte_tokenizer()
     return AutoTokenizer.from_pretrained(source.location, **source.pretrained_kwargs())
 
 
@@ -335,6 +339,8 @@ def load_model(spec: str | os.PathLike | ModelSource | None = None, *, progress:
         ValueError: a spec that names no model, an unknown device or dtype, a GPU that is not there.
     """
     from . import devices
+    from .byte_tokenizer import byte_tokenizer
+    from .random_weights import load_random
 
     source = spec if isinstance(spec, ModelSource) else resolve_model(spec, revision=revision,
                                                                        trust_remote_code=trust_remote_code)
@@ -348,7 +354,18 @@ def load_model(spec: str | os.PathLike | ModelSource | None = None, *, progress:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     fast = {} if use_fast_tokenizer else {"use_fast": False}
-    if source.kind == "default":
+    if source.kind == "random":
+        if device_map is not None:
+            raise ValueError(f"--model {source.name}: a model with random weights is built on one device; drop "
+                             "device_map")
+        # Drawn on the device off the CPU: an 8B config's weights drawn on a CPU take minutes.
+        model = load_random(source.location, device=place.device, dtype=place.torch_dtype(), seed=source.seed,
+                            layers=source.layers, generate_on="cpu" if place.device == "cpu" else "device")
+        tok = byte_tokenizer() if with_tokenizer and not tokenizer else None
+        _log(progress, f"built {source.name} (seeded random weights: it answers nothing, accuracy is meaningless; "
+                       f"{str(model.dtype).removeprefix('torch.')}, {place.device}) in "
+                       f"{time.perf_counter() - start:.1f} s")
+    elif source.kind == "default":
         model, tok = load_embedded(EMBEDDED[source.location] if source.location else DEFAULT, progress=progress,
                                    device_map=placement, dtype=place.torch_dtype(),
                                    with_tokenizer=with_tokenizer and not tokenizer)

@@ -1,6 +1,7 @@
 """What `--model` names, resolved before anything is loaded: an embedded model (the default, or a key of
-`embedded.EMBEDDED` such as `gemma3-270m`), a local directory, a `.gguf` file or a Hugging Face hub id (with
-`--revision`).
+`embedded.EMBEDDED` such as `gemma3-270m`), a local directory, a `.gguf` file, a Hugging Face hub id (with
+`--revision`), or `random:CONFIG[,layers=N][,seed=S]`: a config's architecture with seeded random weights
+(`random_weights.load_random`) and a byte-level tokenizer (`byte_tokenizer`), for a machine without weights.
 
 A hub id is resolved the way `from_pretrained` resolves it: through the HF cache (`HF_HOME`, `HF_HUB_CACHE`), and
 with `HF_HUB_OFFLINE=1` from the cache only; offline, an id that is not in the cache is refused here, before a
@@ -23,13 +24,15 @@ class ModelSource:
     """A resolved `--model`.
 
     Args:
-        kind: "default" (an embedded model), "dir", "gguf" or "hub".
+        kind: "default" (an embedded model), "dir", "gguf", "hub" or "random" (a config with seeded weights).
         location: what `from_pretrained` takes: a directory (a `.gguf` file's folder) or a hub id; for kind
-            "default", None (the default model) or the key of another embedded model (`embedded.EMBEDDED`).
+            "default", None (the default model) or the key of another embedded model (`embedded.EMBEDDED`); for
+            kind "random", the config file.
         gguf_file: the `.gguf` file name inside `location`, for kind "gguf".
         revision: the hub revision (branch, tag or commit), for kind "hub".
         trust_remote_code: passed to `from_pretrained` (only with `--trust-remote-code`).
         name: what result rows record as the model.
+        layers, seed: kind "random" only: `num_hidden_layers` if given, and the weights' seed.
     """
 
     kind: str
@@ -38,6 +41,8 @@ class ModelSource:
     revision: str | None = None
     trust_remote_code: bool = False
     name: str = DEFAULT_MODEL_NAME
+    layers: int | None = None
+    seed: int = 0
 
     def pretrained_kwargs(self) -> dict:
         """Keyword arguments of `from_pretrained` (model and tokenizer) besides the location."""
@@ -80,6 +85,10 @@ def resolve_model(spec: str | os.PathLike | None, *, revision: str | None = None
             or (offline) a hub id that is not in the HF cache; the message says what to do. (An embedded model
             whose extra is not installed: `models.embedded_available`; the CLI checks it, `load_model` says it.)
     """
+    if spec is not None and str(spec).startswith(RANDOM):
+        if revision is not None:
+            raise ValueError(f"--revision is for hub ids; --model {spec} is a config with random weights")
+        return _random_source(str(spec))
     if spec is None or str(spec) in EMBEDDED:
         if revision is not None:
             raise ValueError("--revision needs --model with a hub id (e.g. --model Qwen/Qwen2.5-0.5B-Instruct)")
@@ -127,3 +136,36 @@ def _cache_dir() -> str:
     from huggingface_hub import constants
 
     return str(constants.HF_HUB_CACHE)
+
+
+RANDOM = "random:"
+
+
+def _random_source(spec: str) -> ModelSource:
+    """`random:CONFIG[,layers=N][,seed=S]`: CONFIG a `config.json`-style file or a folder holding one."""
+    import json
+
+    usage = "--model random:CONFIG[,layers=N][,seed=S] (CONFIG: a config.json-style file or a folder holding one)"
+    path_text, *options = spec[len(RANDOM):].split(",")
+    values: dict[str, int] = {}
+    for option in options:
+        key, eq, value = option.partition("=")
+        if key not in ("layers", "seed") or not eq or not value.isdigit() or key in values \
+                or (key == "layers" and int(value) < 1):
+            raise ValueError(f"--model {spec}: {option!r} is not layers=N (N >= 1) or seed=S; {usage}")
+        values[key] = int(value)
+    path = Path(path_text).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path_text or not path.is_file():
+        raise ValueError(f"--model {spec}: no config file at {path_text or '(empty)'!r}; {usage}")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {spec}: {path} is not JSON ({e})") from None
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise ValueError(f"--model {spec}: {path} has no model_type (not a transformers config)")
+    layers, seed = values.get("layers"), values.get("seed", 0)
+    # The spec itself, normalized: rows name the model by what reruns it.
+    name = f"{RANDOM}{path_text}" + (f",layers={layers}" if layers else "") + f",seed={seed}"
+    return ModelSource("random", str(path.resolve()), name=name, layers=layers, seed=seed)
