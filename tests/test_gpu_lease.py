@@ -45,6 +45,11 @@ def test_dry_run_runs_every_step(tmp_path):
     assert checks and all(r["ok"] for r in checks), [r for r in checks if not r["ok"]]
     assert {r["step"] for r in rows if r["kind"] == "key"} == set(steps)  # every step reached its key numbers
     assert {r["side"] for r in rows if r["kind"] == "prefill"} == {"full", "eager", "compiled"}
+    # The main job (issue 55): compare end to end per backend, its rows and report folded into rows.jsonl.
+    runs = [r for r in rows if r["kind"] == "compare-run"]
+    assert [r["backend"] for r in runs] == ["none", "aot_eager"] and all(r["rc"] == 0 for r in runs), runs
+    assert all("**seeded random weights**" in r["report"] and r["s_per_row"] > 0 for r in runs)
+    assert {r["rule"] for r in rows if r["kind"] == "compare-row"} == {"full", "snapkv", "h2o"}
     # The summary table is the last thing printed: one row per step, every one ok.
     tail = proc.stdout.strip().splitlines()
     table = [line for line in tail if line.startswith("| ") and not line.startswith("| step")]

@@ -22,6 +22,10 @@ is rewritten after every step; 3 files in all):
 - `fingerprint`: one kernel fingerprint for every rule of `--fingerprint-rules` (`SIGNAL_RULES`) on the device (`fxbudget.kernel_fingerprint`, what
   `fxbudget inspect` prints), one row per rule.
 - `tests`: `pytest -m cuda` on the test files that carry the mark (skipped where no `nvidia-smi`).
+- `compare` (the main job, issue 55): `fxbudget compare --model random:CONFIG,layers=N` on the cost config with seeded
+  weights and a byte-level tokenizer, `--compare-rules` x `--compare-budgets` x `--compare-lengths` passkey samples,
+  once per `--compare-backends` (the eager kernel, Inductor): every result row's cost fields, the time per row and the
+  report go into rows.jsonl (accuracy is meaningless: the report says so); one fingerprint per run is checked.
 - `prefill-full`, `prefill-eager`, `prefill-compiled` (Llama-3.1-8B config, bf16, `--cost-layers` layers): one-call
   prefill at each of `--prefill-lengths`, the unmodified model under SDPA restricted to its flash and efficient
   backends, fxbudget's eager kernel and the compiled one (snapkv, `--prefill-budget`): seconds and peak memory above
@@ -40,7 +44,7 @@ block form whatever the setting).
 
 `--dry-run` runs every step on `--device cpu` at tiny sizes (configs shrunk to 64 wide, a few tokens, `aot_eager` in
 place of Inductor) so a script bug shows here, not in the lease. Dropped from the old benchmarks/gpu.sh: every step that needs
-the embedded model's weights (compare, cross-device dumps against the committed CPU dumps, long context and compile
+the embedded model's weights (compare on them, cross-device dumps against the committed CPU dumps, long context and compile
 time of the embedded model); `benchmarks/gpu/run.sh --embedded` still runs them where the weights are.
 """
 
@@ -65,12 +69,12 @@ for _p in (BENCH, HERE):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-STEPS = ("env", "correct-fp32", "correct-bf16", "fingerprint", "tests", "prefill-full", "prefill-eager", "prefill-compiled", "decode",
-         "spread")
+STEPS = ("env", "correct-fp32", "correct-bf16", "fingerprint", "tests", "compare", "prefill-full", "prefill-eager",
+         "prefill-compiled", "decode", "spread")
 # Time boxes (seconds) on an H200, cold Inductor compiles included; they sum to <= 480 and the run's own deadline
 # (--budget-s) cuts whatever is left when it is reached.
-BOXES = {"env": 15, "correct-fp32": 65, "correct-bf16": 50, "fingerprint": 30, "tests": 40, "prefill-full": 25,
-         "prefill-eager": 80, "prefill-compiled": 70, "decode": 65, "spread": 40}
+BOXES = {"env": 15, "correct-fp32": 50, "correct-bf16": 35, "fingerprint": 20, "tests": 30, "compare": 100,
+         "prefill-full": 25, "prefill-eager": 70, "prefill-compiled": 60, "decode": 55, "spread": 20}
 SPREAD_RULES = "knorm,random,streamingllm,window,h2o,snapkv,tova,keydiff,lagkv,cur,observed_attention"
 # Rules that read different signals (attn, acc_attn, window_attn, last_attn, key norms, keys, values, wov_norm): the
 # lease's kept-set and fingerprint checks. All 23 did not fit the first H200 run's boxes (each rule runs on the GPU
@@ -82,11 +86,15 @@ LEASE = dict(device="cuda", backend="inductor", correct_layers=4, correct_tokens
              fingerprint_rules=SIGNAL_RULES,
              cost_config="llama-3.1-8b", cost_layers=2, prefill_lengths="8192,32768,131072", prefill_budget=1024,
              decode_budgets="1024,4096", decode_contexts="32768,131072", decode_steps=20,
-             spread_rules=SPREAD_RULES, spread_budget=4096, spread_reps=50, tests_files="auto")
+             spread_rules=SPREAD_RULES, spread_budget=4096, spread_reps=50, tests_files="auto",
+             compare_layers=2, compare_rules="snapkv,streamingllm,h2o,knorm", compare_budgets="256,1024",
+             compare_lengths="8000,32000", compare_samples=2, compare_backends="none,inductor")
 DRY = dict(LEASE, device="cpu", backend="aot_eager", correct_layers=2, correct_tokens=40, correct_steps=3,
            correct_budget=12, kept_rules="snapkv,knorm,h2o", inductor_rules="knorm", fingerprint_rules="snapkv,knorm",
            cost_layers=1, prefill_lengths="48,96", prefill_budget=16, decode_budgets="16,32", decode_contexts="64,128",
-           decode_steps=3, spread_rules="knorm,snapkv", spread_budget=32, spread_reps=3)
+           decode_steps=3, spread_rules="knorm,snapkv", spread_budget=32, spread_reps=3,
+           compare_layers=1, compare_rules="snapkv,h2o", compare_budgets="32", compare_lengths="300",
+           compare_samples=1, compare_backends="none,aot_eager")
 DRY_BOXES = {k: 120 for k in STEPS}
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "vocab_size": 512, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # --dry-run's widths (the config's other values stay)
@@ -335,6 +343,52 @@ def _cost_model(a):
     return model, round(time.perf_counter() - t, 1)
 
 
+def step_compare(a, rows: Rows) -> None:
+    """The main job on the device (issue 55, item 2): `fxbudget compare` end to end on the cost config with seeded
+    weights (`--model random:CONFIG`, nothing travels but the tree), one run per backend (the eager kernel, then
+    Inductor), each a subprocess of this step. Only rows.jsonl comes back: each result row (cost fields), the time per
+    row and the report (text) are written into it; the run folders stay in a temporary directory. Accuracy is
+    meaningless here, and the report says so."""
+    config = Path(tempfile.mkdtemp(prefix="fxbudget_compare_")) / f"{a.cost_config}.json"
+    config.write_text(json.dumps(_config(a.cost_config, a.shrink)))
+    spec = f"random:{config},layers={a.compare_layers},seed={a.seed}"
+    keep = ("rule", "budget", "length", "context_tokens", "sample", "protocol", "backend", "prefill_s", "decode_s",
+            "compile_s", "kernel_fingerprint", "peak_mem_bytes", "kv_held_bytes", "kv_allocated_bytes", "score")
+    keys = []
+    for backend in a.compare_backends.split(","):
+        soft = float(os.environ.get("GPU_LEASE_SOFT_DEADLINE", "inf"))
+        if time.time() > soft:
+            keys.append(f"{backend}: not started (the step's soft deadline)")
+            continue
+        out = config.parent / f"run-{backend}"
+        cmd = [sys.executable, "-m", "fxbudget.cli", "compare", "--model", spec, "--device", a.device,
+               "--dtype", "bfloat16" if a.device.startswith("cuda") else "float32", "--backend", backend,
+               "--tasks", "passkey", "--lengths", a.compare_lengths, "--samples", str(a.compare_samples),
+               "--rules", "full," + a.compare_rules, "--budgets", a.compare_budgets, "--max-new-tokens", "8",
+               "--quiet", "--out", str(out)]
+        t = time.perf_counter()
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        got = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()] \
+            if (out / "results.jsonl").exists() else []
+        for r in got:
+            rows("compare-row", **{k: r.get(k) for k in keep})
+        report = (out / "report.md").read_text() if (out / "report.md").exists() else ""
+        closing = next((x for x in done.stderr.splitlines() if x.startswith("[fxbudget] done in ")), "")
+        rows("compare-run", backend=backend, rc=done.returncode, wall_s=round(wall, 1), rows=len(got),
+             s_per_row=round(wall / len(got), 2) if got else None, closing=closing,
+             stderr_tail=done.stderr[-1500:] if done.returncode else "", report=report)
+        prints = {r["kernel_fingerprint"] for r in got if r.get("kernel_fingerprint")}
+        rows.check(f"compare --backend {backend} ran end to end", done.returncode == 0 and bool(got) and bool(report),
+                   done.stderr.strip().splitlines()[-1][:300] if done.returncode and done.stderr.strip() else "")
+        rows.check(f"compare --backend {backend}: one kernel fingerprint for every rule", len(prints) == 1,
+                   ", ".join(sorted(p[:12] for p in prints)))
+        rows.check(f"compare --backend {backend}: the report says accuracy is meaningless",
+                   "**seeded random weights**" in report)
+        keys.append(f"{backend}: {len(got)} rows in {wall:.0f} s ({wall / max(len(got), 1):.1f} s/row)")
+    rows.key("; ".join(keys))
+
+
 def step_prefill(a, rows: Rows, side: str) -> None:
     import torch
     from transformers import DynamicCache
@@ -526,6 +580,8 @@ def run_step(a) -> int:
         step_fingerprint(a, rows)
     elif a.name == "tests":
         step_tests(a, rows)
+    elif a.name == "compare":
+        step_compare(a, rows)
     elif a.name.startswith("prefill-"):
         step_prefill(a, rows, a.name.split("-")[1])
     elif a.name == "decode":

@@ -44,7 +44,7 @@ if [[ " $STEPS " == *" compare "* ]]; then
   { echo "# compare on CUDA, bf16"; echo;
     for len in 8000 32000; do
       out=benchmarks/results/gpu_compare/$len
-      if timeout 420 "$PY" -m fxbudget compare --device cuda --dtype bfloat16 --backend inductor --tasks passkey \
+      if timeout 420 "$PY" -m fxbudget.cli compare --device cuda --dtype bfloat16 --backend inductor --tasks passkey \
           --lengths $len --samples 2 --rules snapkv,streamingllm,h2o,knorm --budgets 256,1024 --quiet \
           --out "$out" > "$TMP/compare-$len.log" 2>&1; then
         echo "## $len tokens"; echo; tail -3 "$TMP/compare-$len.log"; echo
