@@ -66,15 +66,15 @@ def _fill_budget(cache, ctx: int, gen) -> None:
     cache.admit(cache.budget)
 
 
-def _fill_hf(cache, model, tokens: int, gen) -> None:
-    """A transformers cache holding `tokens` random keys/values per layer (written through its own update)."""
+def _fill_hf(cache, model, tokens: int, gen, batch: int = 1) -> None:
+    """A transformers cache holding `tokens` random keys/values per layer and row (written through its own update)."""
     import torch
 
     cfg = model.config
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     p = next(model.parameters())
     for i in range(cfg.num_hidden_layers):
-        k, v = (torch.randn(1, cfg.num_key_value_heads, tokens, hd, generator=gen).to(p.device, p.dtype)
+        k, v = (torch.randn(batch, cfg.num_key_value_heads, tokens, hd, generator=gen).to(p.device, p.dtype)
                 for _ in range(2))
         cache.update(k, v, i)
 

@@ -28,11 +28,13 @@ is rewritten after every step; 3 files in all):
   report go into rows.jsonl (accuracy is meaningless: the report says so); one fingerprint per run is checked.
 - `prefill-full`, `prefill-eager`, `prefill-compiled` (Llama-3.1-8B config, bf16, `--cost-layers` layers): one-call
   prefill at each of `--prefill-lengths`, the unmodified model under SDPA restricted to its flash and efficient
-  backends, fxbudget's eager kernel and the compiled one (snapkv, `--prefill-budget`): seconds and peak memory above
-  the weights (benchmarks/long_context.py's `_Peak`), compile seconds apart.
-- `decode` (same model): the decode step of fxbudget at each of `--decode-budgets` (a full cache: every step evicts;
-  compiled, CUDA graphs on CUDA) against the full cache at each of `--decode-contexts` (transformers' DynamicCache,
-  uncompiled, and StaticCache under `torch.compile(mode="reduce-overhead")` on CUDA): benchmarks/deploy_decode.py's
+  backends, fxbudget's eager kernel and the compiled one (each of `--prefill-rules`, `--prefill-budget`): seconds and
+  peak memory above the weights (benchmarks/long_context.py's `_Peak`), compile seconds apart.
+- `decode` (same model): the decode step of fxbudget at each of `--decode-budgets` and `--decode-intervals` (1: a
+  full cache, every step evicts; k > 1: the steps append into head-room, as between evictions), at each of
+  `--decode-batches` (compiled, CUDA graphs on CUDA) against the full cache (transformers' DynamicCache at each of
+  `--decode-contexts`, uncompiled, batch 1; StaticCache under `torch.compile(mode="reduce-overhead")` on CUDA over B
+  entries, the kernel's own overhead, and over each context, what a budget saves): benchmarks/deploy_decode.py's
   cache fillers, interleaved steps, medians; compile seconds.
 - `spread`: the decode step of `--spread-rules` (>= 10 rules) through the one compiled kernel at the 8B config's
   attention shapes in bf16 (benchmarks/benchlib's `LayerCase`, CUDA graphs on CUDA), interleaved: max/min.
@@ -85,13 +87,16 @@ LEASE = dict(device="cuda", backend="inductor", correct_layers=4, correct_tokens
              correct_budget=256, kept_rules=SIGNAL_RULES, inductor_rules="knorm,snapkv,h2o",
              fingerprint_rules=SIGNAL_RULES,
              cost_config="llama-3.1-8b", cost_layers=2, prefill_lengths="8192,32768,131072", prefill_budget=1024,
-             decode_budgets="1024,4096", decode_contexts="32768,131072", decode_steps=20,
+             prefill_rules="snapkv",
+             decode_budgets="1024,4096", decode_contexts="32768,131072", decode_steps=20, decode_intervals="1",
+             decode_batches="1",
              spread_rules=SPREAD_RULES, spread_budget=4096, spread_reps=50, tests_files="auto",
              compare_layers=2, compare_rules="snapkv,streamingllm,h2o,knorm", compare_budgets="256,1024",
              compare_lengths="8000,32000", compare_samples=2, compare_backends="none,inductor")
 DRY = dict(LEASE, device="cpu", backend="aot_eager", correct_layers=2, correct_tokens=40, correct_steps=3,
            correct_budget=12, kept_rules="snapkv,knorm,h2o", inductor_rules="knorm", fingerprint_rules="snapkv,knorm",
            cost_layers=1, prefill_lengths="48,96", prefill_budget=16, decode_budgets="16,32", decode_contexts="64,128",
+           decode_intervals="1,8", decode_batches="1,2", prefill_rules="snapkv,h2o",
            decode_steps=3, spread_rules="knorm,snapkv", spread_budget=32, spread_reps=3,
            compare_layers=1, compare_rules="snapkv,h2o", compare_budgets="32", compare_lengths="300",
            compare_samples=1, compare_backends="none,aot_eager")
@@ -398,11 +403,14 @@ def step_prefill(a, rows: Rows, side: str) -> None:
     from long_context import _Peak
 
     cuda = a.device.startswith("cuda")
-    for form in (a.measure_forms.split(",") if side != "full" else ["-"]):
+    # Issue 56: a window-signal rule (snapkv) and one reading the all-query attention (h2o) price the signal set.
+    runs = [("-", "-")] if side == "full" else [(f, r) for r in a.prefill_rules.split(",")
+                                                for f in a.measure_forms.split(",")]
+    for form, rule in runs:
         model, build_s = _cost_model(a)
         if side != "full":
-            fxbudget.compile(model, rule="snapkv", budget=a.prefill_budget, measure=apply_measure_form(form),
-                             backend=a.backend if side == "compiled" else None)
+            fxbudget.compile(model, rule=rule, budget=a.prefill_budget, measure=apply_measure_form(form),
+                             backend=a.backend if side == "compiled" else None, progress=False)
 
         def prefill(x):
             cache = model.forward.new_cache(1) if side != "full" else DynamicCache()
@@ -421,7 +429,8 @@ def step_prefill(a, rows: Rows, side: str) -> None:
             prefill(torch.randint(0, 100, (1, 64), generator=gen).to(a.device))  # first-call overheads
             for n in (int(x) for x in a.prefill_lengths.split(",")):
                 ids = torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(a.device)
-                row = {"side": side, "form": form, "tokens": n, "layers": a.cost_layers, "config": a.cost_config,
+                row = {"side": side, "form": form, "rule": rule, "tokens": n, "layers": a.cost_layers,
+                       "config": a.cost_config,
                        "budget": a.prefill_budget if side != "full" else None, "build_s": build_s}
                 try:
                     if side == "compiled":
@@ -443,7 +452,8 @@ def step_prefill(a, rows: Rows, side: str) -> None:
         del model
     got = [json.loads(x) for x in Path(rows.path).read_text().splitlines()]
     got = [r for r in got if r["step"] == rows.step and r["kind"] == "prefill"]
-    rows.key("; ".join(f"{r['tokens'] // 1024 if r['tokens'] >= 1024 else r['tokens']}"
+    rows.key("; ".join(("" if r.get("rule", "-") == "-" else f"{r['rule']} ")
+                       + f"{r['tokens'] // 1024 if r['tokens'] >= 1024 else r['tokens']}"
                        f"{'K' if r['tokens'] >= 1024 else ''} "
                        + (r["error"][:20] if "error" in r else f"{r['seconds']:.3f}s {r['peak_mb_above']:.0f}MB")
                        for r in got))
@@ -465,8 +475,9 @@ def step_decode(a, rows: Rows) -> None:
 
     cuda = a.device.startswith("cuda")
     gen = torch.Generator().manual_seed(a.seed)
-    nxt = torch.tensor([[3]], device=a.device)
     contexts = [int(x) for x in a.decode_contexts.split(",")]
+    intervals = [int(x) for x in a.decode_intervals.split(",")]
+    batches = [int(x) for x in a.decode_batches.split(",")]
     out = []
 
     def measure(form, name, step, **extra):
@@ -477,49 +488,61 @@ def step_decode(a, rows: Rows) -> None:
              **extra)
 
     # A decode step (one query: its own window block) runs today's form whatever the setting (kernel/flex_measure.py):
-    # one form is timed.
-    for form in a.measure_forms.split(",")[:1]:
-        apply_measure_form(form)
-        model, build_s = _cost_model(a)
-        with torch.no_grad():
-            if form == a.measure_forms.split(",")[0]:  # the unmodified model's sides do not depend on the form
-                for ctx in contexts:
-                    d = DynamicCache()
-                    _fill_hf(d, model, ctx, gen)
+    # one form is timed. Per batch: the full caches, then fxbudget at each budget and interval (issue 57: an interval
+    # k > 1 times the appending steps, every timed step lands in head-room), then the compiled full caches.
+    form = a.measure_forms.split(",")[0]
+    apply_measure_form(form)
+    model, build_s = _cost_model(a)
+    with torch.no_grad():
+        for batch in batches:
+            nxt = torch.full((batch, 1), 3, device=a.device)
+            at = f" x{batch}" if batch > 1 else ""
+            for ctx in contexts if batch == 1 else []:  # DynamicCache: the uncompiled reference, batch 1 only
+                d = DynamicCache()
+                _fill_hf(d, model, ctx, gen)
 
-                    def dyn_step(d=d, c=ctx):
-                        for layer in d.layers:  # back to `c` tokens: every step costs that of a `c`-token context
-                            layer.keys, layer.values = layer.keys[..., :c, :], layer.values[..., :c, :]
-                        kw = cache_kwargs(model.forward, d)
-                        return timed(lambda: model(input_ids=nxt, use_cache=True, logits_to_keep=1, **kw), a.device)
+                def dyn_step(d=d, c=ctx, nxt=nxt):
+                    for layer in d.layers:  # back to `c` tokens: every step costs that of a `c`-token context
+                        layer.keys, layer.values = layer.keys[..., :c, :], layer.values[..., :c, :]
+                    kw = cache_kwargs(model.forward, d)
+                    return timed(lambda: model(input_ids=nxt, use_cache=True, logits_to_keep=1, **kw), a.device)
 
-                    measure("-", f"DynamicCache {ctx}", dyn_step, build_s=build_s)
-                    del d
+                measure("-", f"DynamicCache {ctx}", dyn_step, build_s=build_s, batch=1)
+                del d
             for B in (int(x) for x in a.decode_budgets.split(",")):
-                fwd = fxbudget.compile(model, rule="snapkv", budget=B, backend=a.backend, cudagraphs=cuda).forward
-                cache = fwd.new_cache(1)
-                _fill_budget(cache, 2 * B, gen)
-                if cuda:
-                    for layer in cache.layers:
-                        for t in (layer.keys, layer.values, layer.pos, layer.state, layer.norms, layer.totals,
-                                  layer.seen, layer.inv_freq):
-                            torch._dynamo.mark_static_address(t)
+                for k in intervals:
+                    if k > 1 and a.decode_steps + 2 > k - 1:
+                        rows.check(f"decode: interval {k} leaves room for {a.decode_steps + 2} appending steps", False,
+                                   "raise --decode-intervals or lower --decode-steps")
+                        continue
+                    fwd = fxbudget.compile(model, rule="snapkv", budget=B, backend=a.backend, cudagraphs=cuda,
+                                           interval=k, progress=False).forward
+                    cache = fwd.new_cache(batch)
+                    _fill_budget(cache, 2 * B, gen)
+                    if cuda:
+                        for layer in cache.layers:
+                            for t in (layer.keys, layer.values, layer.pos, layer.state, layer.norms, layer.totals,
+                                      layer.seen, layer.inv_freq):
+                                torch._dynamo.mark_static_address(t)
 
-                def fx_step(fwd=fwd, cache=cache):
-                    return timed(lambda: fwd(input_ids=nxt, past_key_values=cache, logits_to_keep=1), a.device)
+                    def fx_step(fwd=fwd, cache=cache, nxt=nxt):
+                        return timed(lambda: fwd(input_ids=nxt, past_key_values=cache, logits_to_keep=1), a.device)
 
-                compile_s = fx_step()
-                measure(form, f"fxbudget B={B}", fx_step, compile_s=round(compile_s, 2), graphs=len(fwd.graphs),
-                        cudagraphs=cuda)
-                fwd.restore()
-                del cache
-            if cuda and form == a.measure_forms.split(",")[0]:
-                for ctx in contexts:  # the full cache with CUDA graphs, as deploy_decode.py's StaticCache side
-                    static = StaticCache(config=model.config, max_cache_len=ctx + 64)
-                    _fill_hf(static, model, ctx, gen)
+                    compile_s = fx_step()
+                    what = "evicting" if k == 1 else f"appending, interval {k}"
+                    measure(form, f"fxbudget B={B}{at} {what}", fx_step, compile_s=round(compile_s, 2),
+                            graphs=len(fwd.graphs), cudagraphs=cuda, batch=batch, interval=k, budget=B)
+                    fwd.restore()
+                    del cache
+            if cuda:
+                for ctx in [*(int(x) for x in a.decode_budgets.split(",")), *contexts]:
+                    # The full cache with CUDA graphs (deploy_decode.py's StaticCache side) over B entries (the
+                    # kernel's own overhead) and over each context (what a budget saves).
+                    static = StaticCache(config=model.config, max_cache_len=ctx + 64, max_batch_size=batch)
+                    _fill_hf(static, model, ctx, gen, batch)
                     sfwd = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
 
-                    def st_step(static=static, sfwd=sfwd, c=ctx):
+                    def st_step(static=static, sfwd=sfwd, c=ctx, nxt=nxt):
                         for layer in static.layers:
                             if int(layer.cumulative_length) > c + 32:
                                 layer.cumulative_length.fill_(c)
@@ -527,11 +550,12 @@ def step_decode(a, rows: Rows) -> None:
                         return timed(lambda: sfwd(input_ids=nxt, use_cache=True, logits_to_keep=1, **kw), a.device)
 
                     compile_s = st_step()
-                    measure("-", f"StaticCache {ctx}", st_step, compile_s=round(compile_s, 2), cudagraphs=True)
+                    measure("-", f"StaticCache {ctx}{at}", st_step, compile_s=round(compile_s, 2), cudagraphs=True,
+                            batch=batch)
                     del static, sfwd
-        del model
-        if cuda:
-            torch.cuda.empty_cache()
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
     rows.key("; ".join(f"{name} {ms:.2f}ms" for name, ms in out))
 
 
