@@ -45,10 +45,8 @@ def evict(
     # tie-breaker, so one top-k finds the `C - keep` candidates to drop: linear time, deterministic.
     # -0.0 is mapped to +0.0 first: the two compare equal, so they must tie (the newer wins), not rank by sign bit.
     key, idx = _order_key(score, pos, C, tie_pos)
-    bi = torch.arange(b, device=dev).view(b, 1, 1)
-    hi = torch.arange(h, device=dev).view(1, h, 1)
     if n == 1 and C - keep == 1 and not owner:
-        _replace_one(key, signals, totals, slots, new, bi, hi)
+        _replace_one(key, signals, totals, slots, new)
         return
     dropped = _top_indices(key, C - keep, largest=False)
     is_dropped = torch.zeros_like(pos, dtype=torch.bool).scatter(-1, dropped, True)
@@ -60,6 +58,8 @@ def evict(
     dst = _top_indices(torch.where(free, S - idx[:S], 0), t, largest=True)
     src = _top_indices(torch.where(new_kept, n - idx[:n], 0), t, largest=True)
     write = torch.arange(t, device=dev) < new_kept.sum(dim=-1, keepdim=True)
+    bi = torch.arange(b, device=dev).view(b, 1, 1)
+    hi = torch.arange(h, device=dev).view(1, h, 1)
 
     def put(cached: Tensor, cand: Tensor) -> None:
         rows = torch.where(write.unsqueeze(-1), cand[bi, hi, src], cached[bi, hi, dst])
@@ -83,14 +83,15 @@ def evict(
     slots.totals.copy_(totals)
 
 
-def _replace_one(key: Tensor, signals: dict[str, Tensor], totals: Tensor, slots: LayerSlots, new: NewTokens,
-                 bi: Tensor, hi: Tensor) -> None:
+def _replace_one(key: Tensor, signals: dict[str, Tensor], totals: Tensor, slots: LayerSlots, new: NewTokens) -> None:
     """`evict` of one token dropping one candidate (a decode step, evicting or appending into head-room): the
     argmin of the order key is the one dropped, exactly `evict`'s kept set. If it is a slot, the new token replaces
     it (one row of K, V, position and norms written per head); if it is the new token itself, nothing is written
     (the row is rewritten unchanged). The carried state changes for every slot (this call's attention adds to it):
     one pointwise pass over the `S` slots, the freed slot taking the new token's."""
-    S = slots.pos.shape[-1]
+    b, h, S = slots.pos.shape
+    bi = torch.arange(b, device=key.device).view(b, 1, 1)
+    hi = torch.arange(h, device=key.device).view(1, h, 1)
     d = key.argmin(dim=-1, keepdim=True)  # [b, h, 1]
     write = d < S
     dst = d.clamp(max=S - 1)
