@@ -159,7 +159,8 @@ test-cuda-codegen: $(CUDA_VENV)/.installed
 	$(CUDA_BIN)/python -c "import torch, triton; print('test-cuda-codegen: torch', torch.__version__, 'CUDA', \
 		torch.version.cuda, 'Triton', triton.__version__)"
 	$(CUDA_BIN)/python -m pytest -q -ra -p no:xdist -p no:cacheprovider --durations=0 -m cuda_codegen \
-		tests/test_cuda_codegen.py tests/test_rocm_codegen.py tests/test_flex_codegen.py
+		tests/test_cuda_codegen.py tests/test_rocm_codegen.py tests/test_flex_codegen.py \
+		tests/test_decode_codegen.py
 
 clean:
 	rm -rf $(VENV) $(NEWEST_VENV) $(NEWEST_TORCH_VENV) $(OLDEST_TORCH_VENV) $(CUDA_VENV) *.egg-info build/site

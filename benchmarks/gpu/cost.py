@@ -3,6 +3,8 @@ attention (issue 51 item 4, issue 49 item 1): nothing here has run on a GPU; the
 
     python benchmarks/gpu/cost.py inductor    # .venv-cuda only: Inductor's byte counts of the kernel's phases and of
                                               # the fused form's two flex calls -> results/gpu_cost_inductor.json
+    python benchmarks/gpu/cost.py decode-counts   # .venv-cuda only: the decode steps' kernels, launches and bytes
+                                              # for sm_90 and gfx942 -> that JSON's decode_steps (issue 57)
     python benchmarks/gpu/cost.py report      # results/gpu_cost.md and the section of docs/gpu-internals.md, from that JSON
     python benchmarks/gpu/cost.py report --check   # exit 1 if either file differs from what it would write
 
@@ -89,6 +91,8 @@ EFFICIENCY = {
 LENGTHS = (8192, 32768, 131072)
 BUDGETS = (1024, 4096)
 DECODE_CACHES = (32768, 131072)
+DECODE_BATCHES = (1, 8)  # the decode step's batch sizes (left-padded rows: the same graph)
+DECODE_INTERVALS = (1, 64)  # interval 1: every step evicts; 64: one evicting step, 63 appending ones
 PREFILL_BUDGET = 1024  # S of a prefill row (the measure phase of a prefill on an empty cache does not read it)
 FIT_LENGTHS = (2048, 4096, 8192)  # Inductor's prefill counts fitted as a n^2 + b n + c through these
 # Inductor cases: the fit lengths, then 32K and 128K lowered directly (the fit's check), then the decode steps.
@@ -281,6 +285,80 @@ def combined(rows: list[dict], itab: list[dict], s: dict) -> list[dict]:
     return out
 
 
+# --- The whole-model decode step from the decode steps' counts (issue 57) -------------------------------------------
+
+def decode_step_rows(ind: dict, arch: str = "sm_90") -> dict:
+    """The JSON's decode steps of `arch`, keyed (step, B, batch)."""
+    return {(r["step"], r["B"], r["batch"]): r for r in ind["decode_steps"]["rows"] if r["arch"] == arch}
+
+
+def step_seconds(r: dict, s: dict) -> float:
+    """PREDICTED seconds of one counted decode step through the L layers: the larger of its fp32 arithmetic (the
+    measure phase's (4 d + 11) per score element, H (S + 1) elements a row) and Inductor's bytes at the hbm
+    fraction, plus the launch floor for each of its launches."""
+    flops = (4 * s["d"] + 11) * s["H"] * (r["S"] + 1) * r["batch"]
+    return s["L"] * (max(flops / (H200["fp32_flops"] * EFFICIENCY["fp32"][0]),
+                         r["bytes"] / (H200["hbm_bytes"] * EFFICIENCY["hbm"][0])) + r["launches"] * LAUNCH_S)
+
+
+def flash_step_seconds(N: int, batch: int, s: dict) -> float:
+    """PREDICTED seconds of the unmodified attention's decode step over N cached tokens (flash, by hand) through the
+    L layers, with its launches (the K/V append and flash)."""
+    f = flash("decode", N, s)
+    return seconds(dict(f, flops=f["flops"] * batch, bytes=f["bytes"] * batch), s["L"]) + \
+        s["L"] * FLASH_LAUNCHES * LAUNCH_S
+
+
+def decode_predictions(ind: dict, s: dict) -> list[dict]:
+    """Per budget, full cache, batch and interval: the attention's step time for fxbudget (an interval's k steps
+    averaged: one evicting, k - 1 appending) and the unmodified model, and the whole model's (the weights read once
+    and the rest's launches added to both)."""
+    steps = decode_step_rows(ind)
+    rest = model_rest("decode", 1, s) + s["L"] * MODEL_LAUNCHES * LAUNCH_S
+    out = []
+    for B in BUDGETS:
+        for N in DECODE_CACHES:
+            for batch in DECODE_BATCHES:
+                static_b = flash_step_seconds(B, batch, s)
+                for k in DECODE_INTERVALS:
+                    ev = steps[("evicting" if k == 1 else "interval-evicting", B, batch)]
+                    ap = steps[("appending", B, batch)]
+                    t_fx = (step_seconds(ev, s) + (k - 1) * step_seconds(ap, s)) / k
+                    t_full = flash_step_seconds(N, batch, s)
+                    out.append(dict(B=B, N=N, batch=batch, k=k, launches_evict=ev["launches"],
+                                    launches_append=ap["launches"], t_fx=t_fx, t_full=t_full,
+                                    whole_fx=t_fx + rest, whole_full=t_full + rest,
+                                    append_vs_static=step_seconds(ap, s) / static_b))
+    return out
+
+
+def decode_section(ind: dict, s: dict) -> str:
+    rows = decode_step_rows(ind)
+    lines = ["## The whole-model decode step (issue 57, PREDICTED)", "",
+             f"Llama-3.1-8B ({s['L']} layers), bf16, on the H200 figures above. fxbudget's step: Inductor's count of "
+             "the decode step lowered for the fake sm_90 (`python benchmarks/gpu/cost.py decode-counts`: the three "
+             "phases as one graph, one layer; its bytes charge indexed writes with whole buffers, so they bound the "
+             "traffic from above), the larger of its bytes at the hbm fraction and its fp32 arithmetic, plus "
+             f"{LAUNCH_S * 1e6:g} us per launch; at interval k the average of one evicting step (B + k - 1 slots "
+             "back to B) and k - 1 appending ones. The unmodified model: flash over the full cache by hand plus "
+             f"{FLASH_LAUNCHES} launches a layer. Whole model: the 16 GB of weights read once and "
+             f"{MODEL_LAUNCHES} launches a layer added to both. StaticCache over B: flash over B entries.", "",
+             "Counts per layer (sm_90; gfx942's are in the JSON):", "",
+             "| step | B | batch | slots | Triton kernels | launches | Inductor MB |", "|---|---|---|---|---|---|---|"]
+    for (step, B, batch), r in sorted(rows.items()):
+        lines.append(f"| {step} | {B} | {batch} | {r['S']} | {r['kernels']} | {r['launches']} "
+                     f"| {r['bytes'] / 1e6:.1f} |")
+    lines += ["", "| B | full cache | batch | interval | launches a layer (evicting / appending) | attention: fxbudget "
+              "/ full | whole model: fxbudget / full | full / fxbudget (whole model) | appending step / StaticCache "
+              "over B |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in decode_predictions(ind, s):
+        lines.append(f"| {r['B']} | {r['N'] // 1024}K | {r['batch']} | {r['k']} | {r['launches_evict']} / "
+                     f"{r['launches_append']} | {_t(r['t_fx'])} / {_t(r['t_full'])} | {_t(r['whole_fx'])} / "
+                     f"{_t(r['whole_full'])} | **{r['whole_full'] / r['whole_fx']:.2f}x** "
+                     f"| {r['append_vs_static']:.2f}x |")
+    return "\n".join(lines)
+
+
 # --- Report ----------------------------------------------------------------------------------------------------
 
 def _gb(x: float) -> str:
@@ -446,7 +524,7 @@ def report_md(s: dict, ind: dict | None) -> str:
             "Written by `python benchmarks/gpu/cost.py report` from the formulas in its docstring and from "
             "`results/gpu_cost_inductor.json` (written by `python benchmarks/gpu/cost.py inductor` in `.venv-cuda`). "
             "The GPU run (`benchmarks/gpu/run.sh`) checks these numbers.\n\n" + tables(s, ind) + "\n\n" + decision(s, ind)
-            + "\n")
+            + ("\n\n" + decode_section(ind, s) if ind and "decode_steps" in ind else "") + "\n")
 
 
 def docs_section(s: dict, ind: dict | None) -> str:
@@ -465,6 +543,9 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     ap_i = sub.add_parser("inductor", help="lower the phases for a fake sm_90 (.venv-cuda) and write the JSON")
     ap_i.add_argument("--out", type=Path, default=INDUCTOR_JSON)
+    ap_d = sub.add_parser("decode-counts", help="lower the decode steps for a fake sm_90 and gfx942 (.venv-cuda): "
+                          "kernels, launches and bytes per phase -> the JSON's decode_steps")
+    ap_d.add_argument("--out", type=Path, default=INDUCTOR_JSON)
     ap_r = sub.add_parser("report", help="write results/gpu_cost.md and docs/gpu-internals.md's section")
     ap_r.add_argument("--check", action="store_true", help="exit 1 if a file differs from what would be written")
     args = ap.parse_args(argv)
@@ -475,6 +556,13 @@ def main(argv=None) -> int:
 
         gpu_cost_inductor.run(INDUCTOR_CASES, {k: s[k] for k in ("H", "h", "d")}, s["w"], "snapkv", args.out,
                               fused=FUSED_LENGTHS, value_dim=VALUE_DIM)
+        return 0
+    if args.cmd == "decode-counts":
+        sys.path.insert(0, str(HERE))
+        import cost_inductor as gpu_cost_inductor
+
+        gpu_cost_inductor.run_decode(BUDGETS, DECODE_BATCHES, {k: s[k] for k in ("H", "h", "d")}, s["w"], "snapkv",
+                                     args.out)
         return 0
     ind = load_inductor() if INDUCTOR_JSON.exists() else None
     want = {REPORT: report_md(s, ind), DOCS: updated_docs(DOCS.read_text(), docs_section(s, ind))}

@@ -8,12 +8,17 @@ allocated, so real lengths trace as fast as small ones), its outputs flattened, 
 `torch._inductor.metrics.num_bytes_accessed` and `nodes_num_elem` when its metrics log is on) is read per scheduler
 node. The scan over query blocks lowers to a while-loop whose body is its own subgraph, counted once by Inductor:
 its bytes are multiplied here by the loop's trip count (`key_scan`'s step count for the call's block and tiles).
+
+`run_decode` (`python benchmarks/gpu/cost.py decode-counts`) lowers the decode steps a deployment runs (evicting,
+appending into head-room, an interval's evicting step) for a fake sm_90 and gfx942, batch 1 and 8: kernels and
+launches per layer, the three phases as one graph and each alone (tests/test_decode_codegen.py pins them).
 """
 
 from __future__ import annotations
 
 import json
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -21,11 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _fake_inputs(n: int, S: int, shp: dict):
+def _fake_inputs(n: int, S: int, shp: dict, batch: int = 1):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    b, H, h, d = 1, shp["H"], shp["h"], shp["d"]
+    b, H, h, d = batch, shp["H"], shp["h"], shp["d"]
     bf, i64 = torch.bfloat16, torch.long
     with FakeTensorMode():
         return dict(
@@ -188,3 +193,135 @@ def lower_fused(n: int, shp: dict, value_dim: int) -> dict:
     return dict(kind="fused_prefill", n=n, value_dim=value_dim, bytes=sum(x[0] for x in graphs),
                 kernels=len(low.kernels), externs=low.externs, fallbacks=low.fallbacks, nodes=nodes,
                 lower_s=round(time.perf_counter() - t, 1))
+
+
+# --- The decode step's kernels and launches (issue 57) -----------------------------------------------------------
+
+# The decode steps a deployment runs. Evicting: interval 1, the layer's B slots full, one token in, one dropped
+# (keep = B), the rule under test scoring. Appending: decode interval k = 64 between evictions, a step that writes
+# into free head-room and drops nothing the rule chooses (keep = the slots, B + k - 1 of them; the shared frozen
+# runner's graph, scored by the `window` rule: docs/DESIGN.md, "Decoding at an interval"). Interval-evicting: that
+# interval's k-th step, B + k - 1 full slots and the token, back down to B (k dropped: a top-k).
+DECODE_STEPS = {"evicting": dict(extra=0, keep_all=False), "appending": dict(extra=63, keep_all=True),
+                "interval-evicting": dict(extra=63, keep_all=False)}
+DECODE_ARCHS = ("sm_90", "gfx942")
+_RUN = re.compile(r"^\s+(triton_\w+)\.run\(", re.M)
+_CALL = re.compile(r"^\s+(?:\w+ = )?(extern_kernels\.\w+|torch\.ops\.\w+\.\w+(?:\.\w+)?|aten\.\w+(?:\.\w+)?)\(", re.M)
+
+
+def launches_of(source: list[str]) -> dict:
+    """What the output code's `call` launches, in order of kinds: Triton kernel runs, extern kernels (cuBLAS/rocBLAS
+    matmuls), ATen fallbacks (a top-k, a sort). Launches count every run (one kernel may run twice)."""
+    code = "\n".join(source)
+    runs, calls = _RUN.findall(code), _CALL.findall(code)
+    return dict(launches=len(runs) + len(calls), triton_runs=len(runs), other_calls=sorted(calls),
+                kernels=len(set(_KERNEL_DEF.findall(code))))
+
+
+_KERNEL_DEF = re.compile(r"^(triton_\w+) = async_compile\.triton", re.M)
+
+
+def lower_decode_step(step: str, B: int, batch: int, arch: str, shp: dict, window: int, rule: str, *,
+                      phases: bool = True) -> dict:
+    """One decode step of one layer (8B shapes, bf16) traced as the SDPA pass traces it and lowered for `arch`:
+    the three phases as one graph (the row's counts) and, with `phases`, each phase alone (`phases`): Triton
+    kernels, launches, Inductor's bytes."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import fake_cuda
+    import fake_hip
+    from torch._inductor.graph import GraphLowering
+
+    from fxbudget.passes.sdpa import trace_kernel
+    from fxbudget.rules import get
+
+    cfg = DECODE_STEPS[step]
+    S = B + cfg["extra"]
+    keep = S if cfg["keep_all"] else B
+    ev = _fake_inputs(1, S, shp, batch=batch)
+    rule_obj = get("window" if cfg["keep_all"] else rule)
+    kt = trace_kernel(ev, rule_obj, budget=B, keep=keep, sliding=0, window=window, scale=None, block=None,
+                      budget_ints=False)
+    counted = []
+    orig = GraphLowering.codegen
+
+    def codegen(self, *a, **k):
+        r = orig(self, *a, **k)
+        counted.append(self.count_bytes()[0])
+        return r
+
+    graphs = {"measure": kt.measure, "rule": kt.rule, "evict": kt.evict} if phases else {}
+    graphs["step"] = _trace_step(ev, rule_obj, B, keep, window)
+    phases = {}
+    GraphLowering.codegen = codegen
+    try:
+        for phase, gm in graphs.items():
+            gm = _flat_outputs(gm)
+            specs = [x.meta["val"] for x in gm.graph.nodes if x.op == "placeholder"]
+            counted.clear()
+            t = time.perf_counter()
+            if arch.startswith("sm_"):
+                low = fake_cuda.lower(gm, specs, sm=int(arch[3:]), cubins=False)
+            else:
+                low = fake_hip.lower(gm, specs, arch=arch, hsaco=False)
+            phases[phase] = dict(**launches_of(low.source), bytes=sum(counted), fallbacks=low.fallbacks,
+                                 externs=low.externs, lower_s=round(time.perf_counter() - t, 1))
+    finally:
+        GraphLowering.codegen = orig
+    whole = phases.pop("step")
+    return dict(step=step, B=B, S=S, keep=keep, batch=batch, arch=arch, rule="window" if cfg["keep_all"] else rule,
+                kernels=whole["kernels"], launches=whole["launches"],
+                bytes=whole["bytes"], fallbacks=whole["fallbacks"], externs=whole["externs"],
+                other_calls=whole["other_calls"], lower_s=whole["lower_s"], phases=phases)
+
+
+def _trace_step(ev: dict, rule, budget: int, keep: int, window: int):
+    """The three phases traced as one graph, as the SDPA pass splices them into a layer's graph (one region:
+    Inductor may fuse across the phases' boundaries), returning the attention output; the slots written in place."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    import torch
+    from fxbudget.kernel import MARKER_TENSORS, evict_phase, from_marker, layout, measure_phase, rule_phase
+    from fxbudget.passes.sdpa import _trace
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        fake = {k: torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
+                for k, v in ev.items()}
+    lay = layout(False)
+
+    def step(q, slots, new, const):
+        out, totals, signals = measure_phase(lay, q, slots, new, const, window=window, sliding=0, scale=None,
+                                             block=None, traced=True)
+        evict_phase(lay, rule_phase(lay, rule, budget, window, signals), signals, totals, slots, new, keep=keep)
+        return out
+
+    slots, new, const = from_marker([fake[a] for a in MARKER_TENSORS])
+    return _trace(step, (fake["q"], slots, new, const), mode)
+
+
+def run_decode(budgets, batches, shp: dict, window: int, rule: str, out: Path, archs=DECODE_ARCHS) -> list[dict]:
+    """Every decode step, budget, batch and arch lowered; written into `out` under "decode_steps" (the rest of the
+    file kept)."""
+    rows = []
+    for arch in archs:
+        for step in DECODE_STEPS:
+            for B in budgets:
+                for batch in batches:
+                    t = time.perf_counter()
+                    rows.append(lower_decode_step(step, B, batch, arch, shp, window, rule))
+                    r = rows[-1]
+                    print(f"[gpu_cost inductor] decode {step} {arch} B={B} batch={batch}: {r['kernels']} kernels, "
+                          f"{r['launches']} launches as one graph (phases alone: " + ", ".join(
+                              f"{p} {v['kernels']}/{v['launches']}" for p, v in r["phases"].items())
+                          + f"), {r['bytes'] / 1e6:.1f} MB in {time.perf_counter() - t:.0f} s", flush=True)
+    data = json.loads(out.read_text()) if out.exists() else {}
+    data["decode_steps"] = dict(
+        note="One decode step of one layer (Llama-3.1-8B shapes, bf16), its three phases traced as one graph (as "
+             "the SDPA pass splices them: the row's kernels, launches, bytes) and each phase lowered on its own "
+             "(`phases`) for a fake device (tests/fake_cuda.py, tests/fake_hip.py; Triton source only): Triton kernels (distinct), "
+             "launches (every kernel run and every extern/ATen call of the output code's `call`) and "
+             "GraphLowering.count_bytes(). Written by `python benchmarks/gpu/cost.py decode-counts`.",
+        rows=rows)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    return rows

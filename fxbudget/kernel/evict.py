@@ -45,6 +45,9 @@ def evict(
     # tie-breaker, so one top-k finds the `C - keep` candidates to drop: linear time, deterministic.
     # -0.0 is mapped to +0.0 first: the two compare equal, so they must tie (the newer wins), not rank by sign bit.
     key, idx = _order_key(score, pos, C, tie_pos)
+    if n == 1 and C - keep == 1 and not owner:
+        _replace_one(key, signals, totals, slots, new)
+        return
     dropped = _top_indices(key, C - keep, largest=False)
     is_dropped = torch.zeros_like(pos, dtype=torch.bool).scatter(-1, dropped, True)
     free, new_kept = is_dropped[..., :S], ~is_dropped[..., S:]
@@ -77,6 +80,34 @@ def evict(
     slots.state.copy_(refill(signals["acc_attn"][..., :S], signals["acc_attn"], 0.0))
     slots.norms.copy_(torch.stack([refill(signals[name][..., :S], signals[name], 0.0) for name in TOKEN_SIGNALS],
                                   dim=-1))
+    slots.totals.copy_(totals)
+
+
+def _replace_one(key: Tensor, signals: dict[str, Tensor], totals: Tensor, slots: LayerSlots, new: NewTokens) -> None:
+    """`evict` of one token dropping one candidate (a decode step, evicting or appending into head-room): the
+    argmin of the order key is the one dropped, exactly `evict`'s kept set. If it is a slot, the new token replaces
+    it (one row of K, V, position and norms written per head); if it is the new token itself, nothing is written
+    (the row is rewritten unchanged). The carried state changes for every slot (this call's attention adds to it):
+    one pointwise pass over the `S` slots, the freed slot taking the new token's."""
+    b, h, S = slots.pos.shape
+    bi = torch.arange(b, device=key.device).view(b, 1, 1)
+    hi = torch.arange(h, device=key.device).view(1, h, 1)
+    d = key.argmin(dim=-1, keepdim=True)  # [b, h, 1]
+    write = d < S
+    dst = d.clamp(max=S - 1)
+
+    def row(old: Tensor, cand: Tensor) -> Tensor:  # [b, h, 1(, k)]: the new token's row, or the slot's unchanged
+        return torch.where(write.view(*write.shape, *(1,) * (old.dim() - 3)), cand, old[bi, hi, dst])
+
+    slots.keys.index_put_((bi, hi, dst), row(slots.keys, new.keys))
+    slots.values.index_put_((bi, hi, dst), row(slots.values, new.values))
+    pos = signals["pos"]
+    slots.pos.index_put_((bi, hi, dst), row(pos[..., :S, None], pos[..., S:, None]).squeeze(-1))
+    norms = torch.stack([signals[name] for name in TOKEN_SIGNALS], dim=-1)  # [b, h, S + 1, 3]
+    slots.norms.index_put_((bi, hi, dst), row(norms[:, :, :S], norms[:, :, S:]).to(slots.norms.dtype))
+    acc = signals["acc_attn"]
+    freed = torch.arange(S, device=d.device) == torch.where(write, d, S)
+    slots.state.copy_(torch.where(freed, acc[..., S:], acc[..., :S]))
     slots.totals.copy_(totals)
 
 
