@@ -40,7 +40,7 @@ def rule_region(rule: Rule, budget: int, window: int, signals: dict[str, Tensor]
         score = rule.score(s)
         protect = rule.protect(s)
     check_output(rule, "the score", score, s.pos, floating=True)
-    score = score.to(s.attn.dtype)
+    score = score.to(s.dtype)
     score = score.masked_fill(score.isnan(), float("-inf"))
     if protect is not None:
         check_output(rule, "protect()", protect, s.pos, floating=False)

@@ -96,6 +96,13 @@ class Signals:
     window: Tensor
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the measured signals and of the score (float32; float64 for float64 inputs), read from the
+        keys, which every kernel has: a rule that needs a dtype reads it here, not off a signal it would otherwise
+        make the kernel measure."""
+        return torch.promote_types(self.k_slots.dtype, torch.float32)
+
+    @property
     def step(self) -> Tensor:
         """Positions seen by each row after this call, `[batch, 1, 1]` (long): the row's newest position + 1."""
         return (self.new_pos.amax(dim=-1) + 1).view(-1, 1, 1)
