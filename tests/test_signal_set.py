@@ -201,3 +201,22 @@ def test_fingerprint_names_the_set():
     assert len(set(fp.values())) == 1  # one kernel for every rule of the run
     own = fxbudget.kernel_fingerprint(model, rule="snapkv", budget=16, signals=None)
     assert len({own, fp["snapkv"], fxbudget.kernel_fingerprint(model, rule="snapkv", budget=16)}) == 3
+
+
+def test_report_says_when_rows_pool_signal_sets():
+    from fxbudget.harness.report import signal_set_line, signal_sets
+
+    rows = [{"signals": "window_attn", "kernel_fingerprint": "a"}, {"kernel_fingerprint": "b"}]  # older: no field
+    assert signal_sets(rows) == ["all", "window_attn"]
+    line = signal_set_line(signal_sets(rows))
+    assert line.startswith("- **2 different signal sets (all; window_attn)**") and "\n" not in line
+    assert "accuracy columns comparable" in line and "cost columns (times, memory) not" in line
+    assert signal_set_line(signal_sets(rows[:1])).endswith(": window_attn")
+
+
+def test_grid_signal_set_is_the_union_of_its_rules():
+    from fxbudget.harness.grid import Grid
+
+    g = Grid(rules=["full", "snapkv", "knorm"], budgets=[16])
+    assert g.signal_set() == {"window_attn", "key_norm"}
+    assert Grid(rules=["full", "snapkv"], signals="all").signal_set() == ALL
