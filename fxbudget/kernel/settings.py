@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .signals import TOKEN_SIGNALS
+
 DEFAULT_WINDOW = 32  # observation window shared by all rules of a run (snapkv's paper default)
 # Queries per block of `measure`: a kernel setting shared by every rule (None = `auto_block`). A call's attention
 # temporaries are O(block x candidates) whatever its length.
@@ -82,11 +84,12 @@ def measure_form(form: str, device: torch.device, dtype: torch.dtype | None = No
     return form
 
 
-# The signals the kernel measures: the run's signal set is a subset of these. Every other name a rule reads on
-# `Signals` is one of the call's inputs (positions, queries, keys, values, RoPE frequencies, budget, window) or
-# derived from them, there in every kernel. Declared in `Signals`' field order.
-MEASURED_SIGNALS = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "window_max_attn",
-                    "wov_norm")
+# The signals the kernel measures: the run's signal set is a subset of these: the attention signals, then the
+# per-token ones (`signals.TOKEN_SIGNALS`: a signal added there is measured, and skippable, like these). Every other
+# name a rule reads on `Signals` is one of the call's inputs (positions, queries, keys, values, RoPE frequencies,
+# budget, window) or derived from them, there in every kernel.
+ATTENTION_SIGNALS = ("attn", "window_attn", "last_attn", "acc_attn", "window_max_attn")
+MEASURED_SIGNALS = ATTENTION_SIGNALS + tuple(TOKEN_SIGNALS)
 ALL_SIGNALS = "all"  # every measured signal: for pooling a run's rows with other runs'
 
 
