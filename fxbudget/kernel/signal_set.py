@@ -6,6 +6,7 @@ gets the same kernel; a rule that reads a signal the run's kernel does not measu
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 from ..rules.base import Rule
@@ -15,8 +16,9 @@ from .settings import ALL_SIGNALS, MEASURED_SIGNALS, signals_label
 
 
 def rule_signals(rule: Rule) -> frozenset[str]:
-    """The measured signals `rule` reads (`MEASURED_SIGNALS` among its dry run's reads)."""
-    return signals_read(rule) & frozenset(MEASURED_SIGNALS)
+    """The measured signals `rule` reads (`MEASURED_SIGNALS` among its dry run's reads). The dry run scores a copy
+    of the rule: one that records its calls (a harness wrapper, a test's recorder) records nothing of it."""
+    return signals_read(copy.deepcopy(rule)) & frozenset(MEASURED_SIGNALS)
 
 
 def run_signals(rules: Iterable[Rule], signals: str | Iterable[str] | None = None) -> frozenset[str]:
