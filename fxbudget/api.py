@@ -5,6 +5,7 @@ that decodes at an interval builds one itself); their names stay importable from
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -18,7 +19,8 @@ from .fairness.fingerprint import graph_fingerprint, inspect, kernel_fingerprint
 from .compiler.forward import ATTN_IMPLEMENTATION, BudgetForward, frozen_runner  # noqa: F401  (re-export)
 from .kernel import DEFAULT_BLOCK, check_block
 from .kernel.flex_measure import CPU_INDUCTOR
-from .kernel.settings import check_measure
+from .kernel.settings import MeasureSpec, check_measure
+from .kernel.signal_set import run_signals
 from .cache.rope import rope_refusal_for
 from .cache.for_model import (  # noqa: F401  (re-export)
     check_rule_budget, layer_devices, model_cache, output_projections, resolve_head_pool)
@@ -57,7 +59,7 @@ def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: in
 def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *, chunk_size: int | None = None,
             backend: str | None = "inductor", headroom: int = 0, block: int | None = DEFAULT_BLOCK,
             cudagraphs: bool = False, head_pool: bool | None = None, interval: int = 1, measure: str = "auto",
-            progress: bool = True, **rule_params) -> nn.Module:
+            signals: str | Iterable[str] | None = None, progress: bool = True, **rule_params) -> nn.Module:
     """Run `model` with a KV cache of at most `budget` entries per layer and KV head, evicting with `rule`.
 
     The model is modified in place (its `forward` is wrapped) and returned; `model.forward.restore()` undoes it.
@@ -85,6 +87,12 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
             form on a CPU). "flex": the output and each candidate's attention from two fused `flex_attention` calls,
             with no n x candidates scores (verified on a CPU and on an H200; on other devices it runs only with
             FXBUDGET_UNVERIFIED_FLEX=1). The same signals either way (docs/gpu.md).
+        signals: the kernel's signal set (a kernel setting, like `measure`): None (default) measures what `rule`
+            reads (its dry run, `fxbudget.kernel.signal_set`), "all" every signal (the kernel of a run that pools
+            rows with others), or an explicit set of `MEASURED_SIGNALS` (a rule that reads outside it is refused).
+            A signal not measured is absent from the rule's `Signals`; on the flex form, a set without `attn` and
+            `acc_attn` skips the transposed call. Outputs and kept sets are the same under any set the rule's reads
+            fit in.
         cudagraphs: with backend "inductor" on CUDA, replay the compiled graphs as CUDA graphs. The cache's tensors
             are marked static before the first compiled call, and generate()'s cache is reused across calls (see
             `BudgetForward`); each decoder layer's region is recorded once per layer and shape (the layers share
@@ -128,6 +136,7 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
             and any(w is None for w in output_projections(model)):
         raise ValueError(f"rule {rule_obj.name!r} needs each attention layer's output projection (W_o), and fxbudget "
                          "cannot find it in this model (attention modules with a layer_idx and a linear o_proj)")
+    spec = MeasureSpec(form=measure, signals=run_signals([rule_obj], signals))  # raises in one line
     return BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend, headroom=headroom,
                          block=block, cudagraphs=cudagraphs, head_pool=head_pool, interval=interval,
-                         measure=measure, progress=progress).install()
+                         measure=spec, progress=progress).install()

@@ -169,7 +169,8 @@ def test_recompile_limit_error_is_scoped_to_fxbudget_calls():
             return s.attn
 
     before = dynamo_config.fail_on_recompile_limit_hit
-    m = fxbudget.compile(tiny_model("llama", layers=1), rule=Probe(), budget=8, backend="eager")
+    # signals="all": no dry run of the score at compile (outside any compiled call), which `seen` would record
+    m = fxbudget.compile(tiny_model("llama", layers=1), rule=Probe(), budget=8, backend="eager", signals="all")
     with torch.no_grad():
         m(input_ids=torch.randint(0, 96, (1, 5)))
     assert seen and set(seen) == {True}

@@ -24,7 +24,7 @@ from fxbudget.models import load_model
 GRID = ["--tasks", "passkey,niah_multikey", "--lengths", "300", "--rules", "full,snapkv,streamingllm,h2o,pyramidkv",
         "--budgets", "48,4096", "--samples", "2", "--max-new-tokens", "4", "--quiet"]
 ROW_FIELDS = ("model", "rule", "rule_params", "budget", "protocol", "chunk_size", "window", "dtype", "device", "torch",
-              "transformers", "kernel_fingerprint", "peak_mem_bytes", "shared_prefill_peak_mem_bytes",
+              "transformers", "kernel_fingerprint", "signals", "peak_mem_bytes", "shared_prefill_peak_mem_bytes",
               "kv_allocated_bytes", "kv_held_bytes", "prefill_s", "decode_s",
               "compile_s", "output_tokens", "prediction", "score", "depth", "n_tokens", "answers", "malloc",
               "answer_tokens", "answer_logprob", "answer_logprob_mean", "likelihood_s", "budget_fraction",
@@ -54,6 +54,8 @@ def test_rows_report_and_plots(single_run):
         assert r["malloc"] == "glibc heap only, no trim"  # compare keeps freed heap pages (harness/malloc.py)
     budgeted = [r for r in rows.values() if r["rule"] != "full"]
     assert len({r["kernel_fingerprint"] for r in budgeted}) == 1  # one shared kernel
+    # One signal set for the run: what its rules read (snapkv, pyramidkv: window_attn; h2o: acc_attn)
+    assert {r["signals"] for r in budgeted} == {"window_attn,acc_attn"}
     assert all(r["shared_prefill"] for r in budgeted)
     small = [r for r in budgeted if r["budget"] == 48]
     full_held = min(x["kv_held_bytes"] for x in rows.values() if x["rule"] == "full")
@@ -65,6 +67,7 @@ def test_rows_report_and_plots(single_run):
         assert (out / name).stat().st_size > 0, name
     report = (out / "report.md").read_text()
     assert "| full (unmodified model) |" in report and "one shared kernel" in report
+    assert "- signal set (what the kernel measured, one per run): window_attn,acc_attn" in report
     assert "#### B=48: 4 paired samples" in report and "| rule | accuracy [95% CI] | Δ vs top |" in report
     summary = list(csv.DictReader((out / "summary.csv").open()))
     assert {s["rule"] for s in summary} == {"full", "snapkv", "streamingllm", "h2o", "pyramidkv"}

@@ -110,7 +110,8 @@ def test_signals_on_a_model_match_its_attention_and_output_projection():
             seen.append((s.window_max_attn.clone(), s.wov_norm.clone(), s.v_new.clone(), s.pos.clone()))
             return s.attn
 
-    m = fxbudget.compile(fresh(model), rule=Probe(), budget=32, backend=None)
+    # signals="all": no dry run at compile (whose probe call would be recorded in `seen` first)
+    m = fxbudget.compile(fresh(model), rule=Probe(), budget=32, backend=None, signals="all")
     with torch.no_grad():
         m(input_ids=ids)
     eager = fresh(model)

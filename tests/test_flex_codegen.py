@@ -4,7 +4,9 @@ A tiny model's rewritten graph with `measure="flex"` (traced on CPU through `fxb
 as tests/test_cuda_codegen.py does) is lowered by Inductor for a fake sm_90 and sm_80 (`fake_cuda`) and gfx942
 (`fake_hip`, where present): a full layer, a sliding layer, a prefill chunk over held slots and the head pool, in
 bfloat16. Each lowering holds the form's two flex calls as Triton templates (`triton_tem_*`), and leaves outside
-Triton only what the block form leaves there (`FALLBACKS`: top-k and the matmuls); a new call fails, named.
+Triton only what the block form leaves there (`FALLBACKS`: top-k and the matmuls); a new call fails, named. A kernel
+whose signal set holds neither `attn` nor `acc_attn` (issue 56: snapkv's own) lowers with the first call alone, for
+every target, with no new fallback.
 
 History: until this form read the candidates' positions from their two parts (`flex_measure.kpos_at`) and the
 queries' through a gather, Inductor 2.14.1 failed to lower the mods ("BLOCK_N != XBLOCK", from a `cat` inlined into
@@ -51,12 +53,14 @@ TARGETS = [("cuda", 90), ("cuda", 80)] + ([("hip", "gfx942")] if importlib.util.
 
 
 @functools.cache
-def traced(case: str):
+def traced(case: str, signals: str | frozenset = "all"):
+    """The case's graph with the kernel measuring every signal (both flex calls), or `signals` (issue 56: snapkv's
+    own set, `window_attn`, has no transposed call)."""
     build, kw, n, which = CASES[case]
     kw = dict(kw)
     rule = "adakv:snapkv" if kw.pop("adakv", False) else "snapkv"
     m = fxbudget.compile(build().to(torch.bfloat16), rule=rule, backend="eager", measure="flex", window=8,
-                         **{"budget": 8, **kw})
+                         signals=signals, **{"budget": 8, **kw})
     ids = torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         m(input_ids=ids)
@@ -81,3 +85,23 @@ def test_flex_form_lowers(case, kind, target):
     templates = [k for k in low.kernels if k.startswith("triton_tem_") and "flex_attention" in k]
     assert len(templates) == 2, f"{case}/{target}: the form's two flex calls as Triton templates, got {templates}"
     assert sorted(low.fallbacks + low.externs) == FALLBACKS.get(case, DEFAULT_FALLBACKS), (case, target)
+
+
+# Without the transposed call (the run's signal set without attn/acc_attn): every target, the full layer and the
+# head pool (sm_90).
+RUNS_ONE = [("full", *t) for t in TARGETS] + [("pool", "cuda", 90)]
+
+
+@pytest.mark.parametrize("case, kind, target", RUNS_ONE, ids=[f"{c}-{k}-{t}" for c, k, t in RUNS_ONE])
+def test_flex_form_without_the_transposed_call_lowers(case, kind, target):
+    gm, specs = traced(case, frozenset({"window_attn"}))
+    assert sum(node.target is torch.ops.higher_order.flex_attention for node in gm.graph.nodes) == 1
+    if kind == "cuda":
+        low = fake_cuda.lower(copy.deepcopy(gm), specs, sm=target, cubins=False)
+    else:
+        import fake_hip
+
+        low = fake_hip.lower(copy.deepcopy(gm), specs, arch=target, hsaco=False)
+    templates = [k for k in low.kernels if k.startswith("triton_tem_") and "flex_attention" in k]
+    assert len(templates) == 1, f"{case}/{target}: one flex call as a Triton template, got {templates}"
+    assert set(low.fallbacks + low.externs) <= set(FALLBACKS.get(case, DEFAULT_FALLBACKS)), (case, target)

@@ -37,3 +37,17 @@ def test_flash_is_the_fused_forward_on_an_empty_cache():
 def test_report_and_docs_are_the_scripts_output():
     assert gpu_cost.INDUCTOR_JSON.exists(), "benchmarks/results/gpu_cost_inductor.json is committed"
     assert gpu_cost.main(["report", "--check"]) == 0, "run `python benchmarks/gpu/cost.py report`"
+
+
+@pytest.mark.parametrize("n", [8192, 32768, 131072])
+def test_without_the_transposed_call_is_the_forward_and_the_window_block(n):
+    """Issue 56: a run reading neither attn nor acc_attn runs the fused forward call (no LSE) and the window block:
+    its predicted measure phase is the fused form's less the transposed call, and its prefill
+    lies between the unmodified attention's and the fused form's."""
+    s = gpu_cost.shapes()
+    full = gpu_cost.fused_measure("prefill", n, 1024, s)
+    alone = gpu_cost.flex_without_transposed("prefill", n, 1024, s)
+    assert alone["flops"] == full["flops"] - full["parts"]["transposed"][0]
+    assert alone["bytes"] == full["bytes"] - full["parts"]["transposed"][1]
+    [row] = [r for r in gpu_cost.signal_set_rows(s, None) if r["n"] == n]
+    assert row["t_base"] < row["t_without"] < row["t_with"]

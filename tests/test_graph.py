@@ -102,7 +102,9 @@ def test_rule_writing_a_signal_is_refused_when_traced(signal):
 def test_rule_writing_a_signal_is_refused_eagerly(signal):
     from fxbudget.kernel import RuleContractError
 
-    m = fxbudget.compile(tiny_model("qwen2", layers=1), rule=_WritesSignal(signal), budget=8, backend=None)
+    # signals="all": no dry run at compile (which refuses it first, as RuleProbeError): the kernel's own refusal
+    m = fxbudget.compile(tiny_model("qwen2", layers=1), rule=_WritesSignal(signal), budget=8, backend=None,
+                         signals="all")
     with pytest.raises(RuleContractError, match=r"writes a signal tensor in place \(aten.zero_.default\)"):
         m(input_ids=torch.randint(0, 96, (1, 12)))
 

@@ -380,7 +380,9 @@ def test_kernel_fingerprint_is_read_from_the_fingerprint_cache(setup, tmp_path, 
     assert calls == ["tova"]  # the second evaluation traced nothing
     assert [i["kernel_fingerprint_cached"] for i in infos] == [False, True]
     assert infos[0]["kernel_fingerprint"] == infos[1]["kernel_fingerprint"] == \
-        fxbudget.kernel_fingerprint(lms[0].model, rule="tova", budget=8)  # traced from scratch, uncached
+        fxbudget.kernel_fingerprint(lms[0].model, rule="tova", budget=8, signals=None)  # traced from scratch,
+    # uncached, measuring what the evaluated rule reads (the kernel it compiles: its signal set)
+    assert infos[0]["signals"] == "last_attn"
     assert len(list((tmp_path / "cache" / "fingerprints").glob("*.json"))) == 1
 
 

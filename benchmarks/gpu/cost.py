@@ -519,16 +519,92 @@ def decision(s: dict, ind: dict | None) -> str:
     return "\n\n".join(out)
 
 
+# --- The signal set (issue 56): the flex form without its transposed call -------------------------------------
+
+def flex_without_transposed(kind: str, n: int, S: int, s: dict, dp: int = VALUE_DIM) -> dict:
+    """The fused form's measure phase of a run whose signal set holds neither `attn` nor `acc_attn`: the forward
+    call and the window block, no transposed call. The forward's LSE is still counted (flex's kernel writes it
+    whether or not it is asked for), and the signals written as today's (an upper bound: a smaller set writes
+    fewer)."""
+    m = fused_measure(kind, n, S, s, dp)
+    tr_f, tr_b = m["parts"]["transposed"]
+    return dict(m, flops=m["flops"] - tr_f, bytes=m["bytes"] - tr_b,
+                parts={k: v for k, v in m["parts"].items() if k != "transposed"})
+
+
+def signal_set_rows(s: dict, ind: dict | None) -> list[dict]:
+    """Per prefill length: the unmodified attention, the flex form with the transposed call (a run reading `attn`
+    or `acc_attn`: h2o) and without it (snapkv, and every rule that reads neither), each with the rule region
+    and evict; with Inductor's launch counts, each plus the launch floor (one launch fewer without the call)."""
+    L = s["L"]
+    comb = {r["n"]: r for r in combined(paper_rows(s), inductor_table(ind, s)[0], s) if r["kind"] == "prefill"} \
+        if ind else {}
+    out = []
+    for n in LENGTHS:
+        S = PREFILL_BUDGET
+        rest = {k: dict(v, t=seconds(v, L)) for k, v in (("rule", rule_phase(n, S, s)),
+                                                         ("evict", evict_phase(n, S, s)))}
+        base = flash("prefill", n, s)
+        t_base = seconds(base, L)
+        t_rest = sum(v["t"] for v in rest.values())
+        with_t = seconds(fused_measure("prefill", n, S, s), L) + t_rest
+        without_t = seconds(flex_without_transposed("prefill", n, S, s), L) + t_rest
+        row = dict(n=n, t_base=t_base, t_with=with_t, t_without=without_t, rest=model_rest("prefill", n, s))
+        c = comb.get(n)
+        if c:
+            row.update(launch_with=c["launch_fused"], launch_without=c["launch_fused"] - 1,
+                       t_base_l=c["t_base_l"], rest_l=c["rest_l"], t_with_l=with_t + L * c["launch_fused"] * LAUNCH_S,
+                       t_without_l=without_t + L * (c["launch_fused"] - 1) * LAUNCH_S)
+        out.append(row)
+    return out
+
+
+def signal_set_section(s: dict, ind: dict | None) -> str:
+    """The prefill predicted with and without the flex form's transposed call (issue 56): results/gpu_cost.md only
+    (docs/gpu.md's section is the lead's)."""
+    rows = signal_set_rows(s, ind)
+    floor = bool(rows and "t_with_l" in rows[0])
+    lines = ["## The signal set: the flex form without its transposed call (issue 56, PREDICTED)", "",
+             "A run measures what its rules read (`fxbudget.kernel.signal_set`). Without `attn` and `acc_attn` in "
+             "the set (snapkv, tova, knorm, pyramidkv and every rule but h2o, observed_attention and `weighted` with "
+             "a weight on them) the flex form runs its forward call alone (no log-sum-exp asked; its bytes still counted) and the "
+             "window block; with them (h2o), the transposed call too. One-call prefill of n tokens on an empty cache, all "
+             f"{s['L']} layers, by hand as above" + ("; the last columns add the launch floor of the combined "
+                                                     "table (one launch fewer without the call)" if floor else "")
+             + ". Whole model: the projections and MLP added to both sides.", "",
+             "| prefill | unmodified | with the transposed call (h2o) | / unmodified | whole model "
+             "| without it (snapkv) | / unmodified | whole model"
+             + (" | with launches: h2o / snapkv, whole model |" if floor else " |"),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if floor else "")]
+    for r in rows:
+        whole = lambda t: (t + r["rest"]) / (r["t_base"] + r["rest"])  # noqa: E731
+        line = (f"| {r['n'] // 1024}K | {_t(r['t_base'])} | {_t(r['t_with'])} | **{r['t_with'] / r['t_base']:.2f}x** "
+                f"| {whole(r['t_with']):.2f}x | {_t(r['t_without'])} | **{r['t_without'] / r['t_base']:.2f}x** "
+                f"| {whole(r['t_without']):.2f}x |")
+        if floor:
+            wl = lambda t: (t + r["rest_l"]) / (r["t_base_l"] + r["rest_l"])  # noqa: E731
+            line += f" {wl(r['t_with_l']):.2f}x / {wl(r['t_without_l']):.2f}x |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _sections(s: dict, ind: dict | None) -> str:
+    """Every prediction, in the order both files show them: the phases, the decision, the decode steps (issue 57),
+    the prefill with and without the transposed call (issue 56)."""
+    return (tables(s, ind) + "\n\n" + decision(s, ind)
+            + ("\n\n" + decode_section(ind, s) if ind and "decode_steps" in ind else "")
+            + "\n\n" + signal_set_section(s, ind))
+
+
 def report_md(s: dict, ind: dict | None) -> str:
     return ("# Predicted cost on an H200 (PREDICTED, not measured)\n\n"
             "Written by `python benchmarks/gpu/cost.py report` from the formulas in its docstring and from "
             "`results/gpu_cost_inductor.json` (written by `python benchmarks/gpu/cost.py inductor` in `.venv-cuda`). "
-            "The GPU run (`benchmarks/gpu/run.sh`) checks these numbers.\n\n" + tables(s, ind) + "\n\n" + decision(s, ind)
-            + ("\n\n" + decode_section(ind, s) if ind and "decode_steps" in ind else "") + "\n")
+            "The GPU run (`benchmarks/gpu/run.sh`) checks these numbers.\n\n" + _sections(s, ind) + "\n")
 
 
 def docs_section(s: dict, ind: dict | None) -> str:
-    return f"{BEGIN}\n{tables(s, ind)}\n\n{decision(s, ind)}\n{END}"
+    return f"{BEGIN}\n{_sections(s, ind)}\n{END}"
 
 
 def updated_docs(text: str, section: str) -> str:

@@ -53,7 +53,8 @@ def grid_of(args):
                 protocols=args.protocol, chunk_size=args.chunk_size,
                 backend=None if args.backend == "none" else args.backend, share_prefill=not args.no_share_prefill,
                 rule_params=preflight.params(args.param), task_files=args.task_file,
-                likelihood=not args.no_likelihood, task_file_samples=args.samples, interval=args.interval)
+                likelihood=not args.no_likelihood, task_file_samples=args.samples, interval=args.interval,
+                signals=args.signals)
 
 
 def cmd_compare(args) -> int:

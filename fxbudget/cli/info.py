@@ -84,6 +84,7 @@ def cmd_inspect(args) -> int:
     ids = ids.to(place.device)
     try:
         text = summary(model, ids, rule=args.rule, budget=args.budget, layer=args.layer, full=args.full, cached=True,
+                       signals=None if args.signals == "rule" else args.signals,
                        **preflight.params(args.param).get(args.rule, {}))
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None

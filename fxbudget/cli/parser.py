@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "evictions (kvpress DecodingPress's compression_interval; target = the budget). Between evictions "
                    "the cache grows by up to interval - 1 entries beyond the budget (allocated up front) and the "
                    "rule's scoring is skipped; 1 (default) evicts on every call")
+    c.add_argument("--signals", choices=["all"], default=None, help="the kernel's signal set: by default what the "
+                   "run's rules read (one set for every rule, recorded in each row); 'all' measures every signal, so "
+                   "the rows' cost columns pool with other runs'")
     c.add_argument("--no-share-prefill", action="store_true", help="run every rule's prefill separately")
     c.add_argument("--param", action="append", default=[], help="rule hyperparameter, e.g. snapkv.window=64")
     _rule_file_option(c)
@@ -253,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--layer", type=int, default=None, help="whose kernel to print (default: the first "
                    "full-attention layer)")
     i.add_argument("--full", action="store_true", help="print the whole rewritten graph (every layer)")
+    i.add_argument("--signals", choices=["all", "rule"], default="all", help="the kernel's signal set: 'all' "
+                   "(default) every signal, the kernel every rule can run; 'rule' what the rule reads (as "
+                   "fxbudget.compile and a compare run of this rule alone)")
     i.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     return p
 

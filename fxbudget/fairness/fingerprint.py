@@ -18,7 +18,9 @@ from ..kernel import DEFAULT_BLOCK, check_block
 from ..cache.for_model import model_cache
 from ..passes.sdpa import INTS_KEY, REGION_KEY
 from ..compiler.regions import compiled_forward, whole_model_forward
-from ..rules import Rule
+from ..kernel.settings import ALL_SIGNALS, MeasureSpec, signals_label
+from ..kernel.signal_set import run_signals
+from ..rules import Rule, get
 
 # What the fingerprint is traced on, whatever the caller inspects: an 8-token call of zeros, with a query block of
 # 4 (so the measure phase's loop over blocks is in it), then one decode step.
@@ -42,23 +44,26 @@ def _maskless_attention(model):
         model.set_attn_implementation(impl)
 
 
-def _traced(model, input_ids, rule, budget, cache, rule_params, block, head_pool, on_graph):
-    """What both tracers run: the model's own forward, the eager-inner fxbudget backend calling `on_graph`, and
-    `cache` or a fresh one in the layout `head_pool`."""
+def _traced(model, input_ids, rule, budget, cache, rule_params, block, head_pool, on_graph, signals=ALL_SIGNALS):
+    """What both tracers run: the model's own forward, the eager-inner fxbudget backend calling `on_graph` with the
+    kernel measuring `signals` (`kernel.signal_set.run_signals`: "all", None = the rule's, or a set), and `cache` or a
+    fresh one in the layout `head_pool`."""
     check_block(block)
     fwd = model.forward.original if isinstance(model.forward, BudgetForward) else model.forward
-    backend = make_backend(rule, inner="eager", on_graph=on_graph, block=block, **rule_params)
+    spec = MeasureSpec(signals=run_signals([get(rule, **rule_params)], signals))
+    backend = make_backend(rule, inner="eager", on_graph=on_graph, block=block, measure=spec, **rule_params)
     if cache is None:
         cache = model_cache(model, backend.rule, budget, input_ids.shape[0], head_pool=head_pool)
     return fwd, backend, cache
 
 
 def captured_graphs(model, input_ids, rule, budget, cache, rule_params, *, block: int | None = DEFAULT_BLOCK,
-                    head_pool: bool | None = None) -> list[fx.GraphModule]:
+                    head_pool: bool | None = None, signals=ALL_SIGNALS) -> list[fx.GraphModule]:
     """The rewritten graph of one forward on `input_ids`, every layer in one graph (what `inspect` reports per
-    layer), on `cache` or a fresh one in the layout `head_pool` (`fxbudget.compile`'s)."""
+    layer), on `cache` or a fresh one in the layout `head_pool` (`fxbudget.compile`'s), measuring `signals`."""
     graphs: list[fx.GraphModule] = []
-    fwd, backend, cache = _traced(model, input_ids, rule, budget, cache, rule_params, block, head_pool, graphs.append)
+    fwd, backend, cache = _traced(model, input_ids, rule, budget, cache, rule_params, block, head_pool, graphs.append,
+                                  signals)
     run = whole_model_forward(fwd, backend)
     with torch.no_grad(), _maskless_attention(model):
         run(input_ids=input_ids, use_cache=True, **cache_kwargs(fwd, cache))
@@ -66,7 +71,7 @@ def captured_graphs(model, input_ids, rule, budget, cache, rule_params, *, block
 
 
 def layer_graphs(model, input_ids, rule, budget, cache, rule_params, *, block: int,
-                 head_pool: bool | None) -> list[fx.GraphModule]:
+                 head_pool: bool | None, signals=ALL_SIGNALS) -> list[fx.GraphModule]:
     """What the fingerprint hashes: for a call on `input_ids` and one decode step after it, each decoder layer's
     rewritten graph in layer order, as `fxbudget.compile` runs them (one compiled region per layer configuration,
     so layers of one configuration list the same graph, traced once: a 24-layer model costs two Dynamo traces of one
@@ -80,7 +85,8 @@ def layer_graphs(model, input_ids, rule, budget, cache, rule_params, *, block: i
             latest[key] = whole.pop()
         per_layer.append(latest[key])
 
-    fwd, backend, cache = _traced(model, input_ids, rule, budget, cache, rule_params, block, head_pool, whole.append)
+    fwd, backend, cache = _traced(model, input_ids, rule, budget, cache, rule_params, block, head_pool, whole.append,
+                                  signals)
     run = compiled_forward(model, fwd, backend, on_layer)
     with torch.no_grad(), _maskless_attention(model):
         run(input_ids=input_ids, use_cache=True, **cache_kwargs(fwd, cache))
@@ -180,7 +186,7 @@ def probe_ids(model: nn.Module, batch: int = 1) -> torch.Tensor:
 
 def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor | None = None, *, rule: str | Rule = "snapkv",
                        budget: int = 1024, cache: BudgetCache | None = None, block: int | None = None,
-                       head_pool: bool | None = None, **rule_params) -> str:
+                       head_pool: bool | None = None, signals=ALL_SIGNALS, **rule_params) -> str:
     """Hash of the rewritten graphs with the rule's ops abstracted: equal for every rule means one shared kernel.
 
     The one definition, printed by `fxbudget inspect` and recorded by every `compare` row: with `input_ids=None`
@@ -196,6 +202,10 @@ def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor | None = None, 
         head_pool: the cache layout, as for `fxbudget.compile` (None: pooled iff the rule is head-adaptive). A run
             that compares a head-adaptive rule runs every rule pooled: one fingerprint for all of them, and not the
             unpooled layout's.
+        signals: the kernel's signal set (a kernel setting of the run: `kernel.signal_set.run_signals`): "all"
+            (default: every signal, the kernel every rule can run), None (what `rule` reads, as `fxbudget.compile`
+            measures) or a set. A set other than "all" is named in the hash (`signal_set_fingerprint`), so two
+            sets never share a fingerprint; "all" hashes the graphs alone, as before the set existed.
     Returns:
         A hex sha256 string.
     """
@@ -203,5 +213,16 @@ def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor | None = None, 
     if input_ids is None:
         input_ids, block = probe_ids(model), PROBE_BLOCK if block is None else block
     block = max(2, (input_ids.shape[1] + 1) // 2) if block is None else block
-    return graph_fingerprint(layer_graphs(model, input_ids, rule, budget, cache, rule_params, block=block,
-                                          head_pool=head_pool))
+    chosen = run_signals([get(rule, **rule_params)], signals)
+    return signal_set_fingerprint(graph_fingerprint(layer_graphs(model, input_ids, rule, budget, cache, rule_params,
+                                                                 block=block, head_pool=head_pool, signals=chosen)),
+                                  chosen)
+
+
+def signal_set_fingerprint(graphs_hash: str, signals) -> str:
+    """The fingerprint of graphs hashing to `graphs_hash` under the signal set `signals`: the hash itself for every
+    signal (the rows of runs before the set existed pool with "all" runs'), else sha256 of it and the set's label."""
+    label = signals_label(signals)
+    if label == ALL_SIGNALS:
+        return graphs_hash
+    return hashlib.sha256(f"{graphs_hash}|signals:{label}".encode()).hexdigest()

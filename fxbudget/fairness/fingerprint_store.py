@@ -31,6 +31,8 @@ from torch import nn
 
 from .. import __version__
 from .fingerprint import PROBE_BLOCK, PROBE_TOKENS, kernel_fingerprint
+from ..kernel.settings import ALL_SIGNALS, signals_label
+from ..kernel.signal_set import run_signals
 from ..models import default_cache_dir
 from ..rules import Rule, get
 
@@ -234,30 +236,36 @@ def write_entry(path: Path, key: dict, value: str, traced_s: float) -> None:
 
 
 def cached_kernel_fingerprint(model: nn.Module, rule: str | Rule, *, budget: int, head_pool: bool | None = None,
-                              compute: Callable[..., str] | None = None) -> tuple[str, bool]:
+                              compute: Callable[..., str] | None = None, signals=ALL_SIGNALS) -> tuple[str, bool]:
     """`kernel_fingerprint(model, rule=rule, budget=budget, head_pool=head_pool)` on its probe, read from the disk
     cache when an entry for the same key exists, else traced and stored.
 
     Args:
         model: a transformers causal LM (a model without `config` is traced every time).
-        rule: a rule name (no hyperparameters) or instance. budget, head_pool: as for `kernel_fingerprint`.
+        rule: a rule name (no hyperparameters) or instance. budget, head_pool, signals: as for `kernel_fingerprint`
+            (the signal set is part of the key).
         compute: what traces it (default `fingerprint.kernel_fingerprint`), called as it is.
     Returns:
         (the fingerprint, whether it was read from the cache).
     """
     compute = kernel_fingerprint if compute is None else compute
     rule = get(rule)
+    chosen = run_signals([rule], signals)
+    label = signals_label(chosen)
+    extra = {} if label == ALL_SIGNALS else {"signals": chosen}  # "all": the key (and entries) of before the set
     try:
         key = fingerprint_key(model, rule, budget, head_pool)
+        if extra:
+            key["signals"] = label
     except Uncacheable as e:
         log.debug("kernel fingerprint not cached: %s", e)
-        return compute(model, rule=rule, budget=budget, head_pool=head_pool), False
+        return compute(model, rule=rule, budget=budget, head_pool=head_pool, **extra), False
     path = entry_path(key)
     value = read_entry(path, key)
     if value is not None:
         return value, True
     t0 = time.perf_counter()
-    value = compute(model, rule=rule, budget=budget, head_pool=head_pool)
+    value = compute(model, rule=rule, budget=budget, head_pool=head_pool, **extra)
     try:
         write_entry(path, key, value, time.perf_counter() - t0)
     except OSError as e:  # a read-only or full disk: the run goes on, traced

@@ -8,6 +8,8 @@ from torch import fx, nn
 
 from ..compiler.backend import REWRITE_KEY
 from .fingerprint import FINGERPRINT_COVERS, captured_graphs, kernel_fingerprint
+from ..kernel.settings import signals_label
+from ..kernel.signal_set import run_signals
 from ..cache.for_model import model_cache
 from ..passes.sdpa import REGION_KEY
 from ..rules import Rule, get
@@ -58,7 +60,7 @@ def region_code(gm: fx.GraphModule, nodes: list[fx.Node]) -> str:
 
 
 def summary(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "snapkv", budget: int = 64,
-            layer: int | None = None, full: bool = False, cached: bool = False, **rule_params) -> str:
+            layer: int | None = None, full: bool = False, cached: bool = False, signals="all", **rule_params) -> str:
     """The inspect report for one forward of `model` (left unmodified) on `input_ids`.
 
     Args:
@@ -66,6 +68,9 @@ def summary(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
         rule, budget, **rule_params: as for `fxbudget.compile`.
         layer: whose kernel region to print (default: the first full-attention layer).
         full: print the whole rewritten graph instead of one layer's region.
+        signals: the kernel's signal set: "all" (default: every signal, the kernel every rule can run, whose
+            fingerprint is the same for every rule), None (what the rule reads, as `fxbudget.compile` measures) or a
+            set.
         cached: read the fingerprint from the on-disk cache (`fingerprint_cache`, as `compare` rows do) and say
             whether it was; default: traced here (a kernel changed only in memory is seen).
     Returns:
@@ -73,8 +78,10 @@ def summary(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
     """
     rule = get(rule, **rule_params)
     cache = model_cache(model, rule, budget, input_ids.shape[0])
-    graphs = captured_graphs(model, input_ids, rule, budget, cache, {})
+    chosen = run_signals([rule], signals)
+    graphs = captured_graphs(model, input_ids, rule, budget, cache, {}, signals=chosen)
     lines = [f"# rule {rule}, budget {budget}, {input_ids.shape[1]} traced tokens",
+             f"# signal set (what the kernel measures, one per run): {signals_label(chosen)}",
              "# layer  attention  kept slots  SDPA rewritten"]
     rewritten, untouched, regions = [], [], []
     for gm in graphs:
@@ -92,10 +99,10 @@ def summary(model: nn.Module, input_ids: torch.Tensor, *, rule: str | Rule = "sn
     if cached:
         from .fingerprint_store import cache_dir, cached_kernel_fingerprint
 
-        value, hit = cached_kernel_fingerprint(model, rule, budget=budget, compute=kernel_fingerprint)
+        value, hit = cached_kernel_fingerprint(model, rule, budget=budget, compute=kernel_fingerprint, signals=chosen)
         note = f" (read from the cache in {cache_dir()})" if hit else " (traced)"
     else:
-        value, note = kernel_fingerprint(model, rule=rule, budget=budget), ""
+        value, note = kernel_fingerprint(model, rule=rule, budget=budget, signals=chosen), ""
     lines.append(f"# kernel fingerprint (rule ops masked): {value}{note}")
     lines.append(f"#   (what every compare row records as kernel_fingerprint: {FINGERPRINT_COVERS})")
     if full:

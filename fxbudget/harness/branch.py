@@ -21,6 +21,8 @@ from ..cache.budget_cache import BudgetCache
 from ..passes.eager import recording
 from ..kernel import (DEFAULT_BLOCK, DEFAULT_WINDOW, SIGNAL_NAMES, TOTALED, LayerConstants, attend, from_marker,
                       layout, select, signal_totals)
+from ..kernel.settings import MEASURED_SIGNALS, MeasureSpec
+from ..kernel.signal_set import run_signals
 from ..kernel.signals import TOKEN_SIGNALS
 from ..rules import Rule, get
 from ..rules.base import Signals
@@ -73,7 +75,8 @@ def shared_prefill(model: nn.Module, input_ids: Tensor, *, window: int = DEFAULT
     recorder = _Recorder(window=window)
     # One slot per layer: what the record cache keeps does not matter (only its sliding layers are reused), and the
     # new tokens' signals do not depend on the number of empty slots; fewer slots make the recorded forward cheaper.
-    fx_compile(model, rule=recorder, budget=1, backend=None, block=block, progress=False)
+    # Every signal (`branch` drops those outside a run's set); "all" also spares the recorder a dry run.
+    fx_compile(model, rule=recorder, budget=1, backend=None, block=block, signals="all", progress=False)
     try:
         cache = model.forward.new_cache(input_ids.shape[0])
         with torch.no_grad(), recording() as calls:
@@ -84,13 +87,15 @@ def shared_prefill(model: nn.Module, input_ids: Tensor, *, window: int = DEFAULT
                          window=window, block=block)
 
 
-def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str) -> None:
+def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str, signals=None) -> None:
     """Put `cache` (empty) in exactly the state a separate prefill with `rule` would leave it in.
 
     Args:
         prefill: from `shared_prefill` on the same model and batch size.
         cache: an empty BudgetCache for that model (its layer budgets, head-room and `keep` are used).
         rule: the rule to evict with.
+        signals: the run's signal set, as for `fxbudget.compile` (None: what `rule` reads). The prefill recorded
+            every signal; those outside the set are dropped before the rule region, as that kernel leaves them out.
     """
     if cache.tokens_seen:
         raise ValueError("branch() needs an empty cache")
@@ -98,6 +103,7 @@ def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str) -> None
         raise ValueError("branch() needs a cache for the model and batch size of the shared prefill")
     rule = get(rule)
     window = kernel_window(rule)
+    spec = MeasureSpec(signals=run_signals([rule], signals))
     cache.admit(prefill.n)
     signals = iter(prefill.signals)
     sliding_rule = get("window")
@@ -109,18 +115,20 @@ def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str) -> None
             if window != prefill.window:  # the recorded signals are for another window: replay the kernel call
                 attend(query, layer.kernel_slots(), new, LayerConstants(layer.inv_freq, layer.wo),
                        rule=sliding_rule if layer.sliding else rule, budget=layer.budget, keep=layer.keep,
-                       pooled=layer.pooled, sliding=layer.sliding, window=window, scale=scale, block=prefill.block)
+                       pooled=layer.pooled, sliding=layer.sliding, window=window, scale=scale, block=prefill.block,
+                       measure=spec)
                 if not layer.sliding:
                     next(signals)
                 continue
             if layer.sliding:  # sliding layers run the `window` rule whatever the rule: the same state for all
                 layer.load(prefill.cache.layers[call.layer].snapshot())
+                _unmeasured_cleared(layer, spec.signals)
                 continue
-            _evict_from_signals(next(signals), layer, new, rule, window)
+            _evict_from_signals(next(signals), layer, new, rule, window, spec.signals)
     cache.next_pos.copy_(prefill.cache.next_pos)
 
 
-def _evict_from_signals(rec: dict, layer, new, rule: Rule, window: int) -> None:
+def _evict_from_signals(rec: dict, layer, new, rule: Rule, window: int, measured: frozenset) -> None:
     """The kernel's rule region and `evict` (`kernel.select`) on the recorded signals, the slots' part filled in as
     `measure` computes it for empty slots: zero attention, the carried state and cached per-token signals (zeros),
     position -1, each as the layer's layout hands its slots to `measure` (`Layout.view`)."""
@@ -131,6 +139,8 @@ def _evict_from_signals(rec: dict, layer, new, rule: Rule, window: int) -> None:
                  **{name: view.norms[..., i] for i, name in enumerate(TOKEN_SIGNALS)}}
     sig = {}
     for name in SIGNAL_NAMES:
+        if name in MEASURED_SIGNALS and name not in measured:
+            continue  # outside the run's signal set: left out, as its kernel leaves it out
         if name in TOTALED:
             recorded = rec[name]
             part = slot_part.get(name)
@@ -140,3 +150,17 @@ def _evict_from_signals(rec: dict, layer, new, rule: Rule, window: int) -> None:
         else:
             sig[name] = slot_part[name] if name in _SLOT_TENSORS else rec[name]
     select(lay, rule, sig, signal_totals(sig), slots, new, budget=layer.budget, keep=layer.keep, window=window)
+
+
+def _unmeasured_cleared(layer, measured: frozenset) -> None:
+    """A layer loaded from the prefill (which measured every signal) as a kernel measuring `measured` leaves it
+    after one call on an empty cache: the carried state 0 without `acc_attn`, a per-token signal's cached column
+    and a signal's total 0 outside the set (`kernel.pipeline.evict_inputs`, `kernel.measure.signal_totals`)."""
+    if "acc_attn" not in measured:
+        layer.state.zero_()
+    for i, name in enumerate(TOKEN_SIGNALS):
+        if name not in measured:
+            layer.norms[..., i].zero_()
+    for i, name in enumerate(TOTALED):
+        if name in MEASURED_SIGNALS and name not in measured:
+            layer.totals[..., i].zero_()

@@ -85,6 +85,9 @@ class Grid:
     # Decode steps between evictions under the streaming protocol (kvpress DecodingPress's compression_interval,
     # its target_size the budget; `BudgetCache(interval=)`); 1: every call evicts. Other protocols ignore it.
     interval: int = 1
+    # The kernel's signal set (a kernel setting, like the window): None measures what the run's rules read (the
+    # union, `kernel.signal_set.run_signals`), "all" every signal (to pool the rows with other runs').
+    signals: str | None = None
 
     def validate(self) -> None:
         """Check the grid without a model.
@@ -161,6 +164,16 @@ class Grid:
             raise ValueError(f"--protocol {multi[0]} asks several questions of one context, and {what} asks one per "
                              f"sample: run it with the tasks that ask several ({', '.join(SHARED_TASKS)}), or "
                              "another protocol")
+
+    def signal_set(self) -> frozenset[str]:
+        """The run's signal set: what its budgeted rules read (each rule's dry run), or every signal ("all")."""
+        from ..kernel.signal_set import run_signals
+        from ..rules import get
+
+        if self.signals not in (None, "all"):
+            raise ValueError(f"--signals must be 'all' or left out (what the run's rules read), got {self.signals!r}")
+        return run_signals([get(r, **self.rule_params.get(r, {})) for r in self.rules if r != REFERENCE],
+                           self.signals)
 
     def head_pool(self) -> bool:
         """Whether this run's budgeted rules run on the pooled cache layout (`head-pool`): when any of them is

@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from ..kernel.settings import ALL_SIGNALS
 from ..models.embedded import by_name
 from ..models.source import RANDOM
 from .answers import answers_tables
@@ -162,6 +163,10 @@ def _header(rows: list[dict], sort: str) -> list[str]:
     cached = frozenset({r.get("fingerprint_cached") for r in rows if r.get("kernel_fingerprint")} - {None})
     source = {frozenset({True}): "; read from the fingerprint cache", frozenset({False}): "; traced by this run",
               frozenset({True, False}): "; some read from the fingerprint cache"}.get(cached, "")
+    budgeted = [r for r in rows if r.get("kernel_fingerprint")]
+    sets = signal_sets(budgeted)
+    per_set = len(sets) > 1 and len(prints) == len(sets) and all(
+        len({r["kernel_fingerprint"] for r in budgeted if (r.get("signals") or ALL_SIGNALS) == s}) == 1 for s in sets)
     windows = sorted({r["window"] for r in rows if r.get("window") is not None})
     blocks = sorted({str(r.get("block") or "automatic") for r in rows if r["rule"] != REFERENCE})
     names = [f"{m} ({by_name(m).weights}: 4-bit-quantized weights)" if by_name(m) else m for m in models]
@@ -176,12 +181,14 @@ def _header(rows: list[dict], sort: str) -> list[str]:
                              f"**{len(prints)} different kernel fingerprints** — the rows are of {len(models)} models "
                              "(merged folders?), each model its own kernel: compare rules within one model"
                              if len(prints) > 1 and len(models) > 1 else
+                             f"{len(prints)} kernel fingerprints, one per signal set (below)" if per_set else
                              f"**{len(prints)} different kernel fingerprints** — rules did not run the same kernel"
                              if prints else "no budgeted rows"),
              "- observation window (last queries of a call whose attention `window_attn` sums; one per comparison): "
              + (f"{windows[0]}" if len(windows) == 1 else
                 f"**{len(windows)} different windows ({', '.join(map(str, windows))})**: rules did not see the same "
                 "signals" if windows else "none"),
+             signal_set_line(sets),
              f"- kernel query block: {', '.join(blocks) if blocks else '-'}",
              _allocation_line([r for r in rows if r["rule"] != REFERENCE])]
     random = [m for m in models if m.startswith(RANDOM)]
@@ -198,6 +205,24 @@ def _header(rows: list[dict], sort: str) -> list[str]:
     intervals = [r.get("decode_interval") or 1 for r in rows if r["protocol"] == "streaming"]
     return parts + [f"- {header_note(protocols, intervals)}", f"- rules are ordered by {sort}; statistical terms: the "
                     "glossary at the end."]
+
+
+def signal_sets(rows) -> list[str]:
+    """The signal sets of budgeted `rows` (`kernel.settings.signals_label`; rows written before the set existed
+    measured every signal: "all")."""
+    return sorted({r.get("signals") or ALL_SIGNALS for r in rows})
+
+
+def signal_set_line(sets: list[str]) -> str:
+    """The report's line on the kernels' signal sets (a kernel setting of a run, like the window): one, or several
+    (pooled runs), whose accuracy compares and whose cost does not."""
+    if not sets:
+        return "- signal set (what the kernel measured, one per run): none"
+    if len(sets) == 1:
+        return f"- signal set (what the kernel measured, one per run): {sets[0]}"
+    return (f"- **{len(sets)} different signal sets ({'; '.join(sets)})**: pooled runs whose kernels measured different "
+            "signals: accuracy columns comparable (a rule's outputs are the same under any set holding what it "
+            "reads), cost columns (times, memory) not")
 
 
 def _allocation_line(rows) -> str:

@@ -45,6 +45,7 @@ from ..api import compile as fx_compile
 from ..compiler.backend import kernel_window
 from ..cache.keyword import output_cache
 from ..fairness.fingerprint_store import cached_kernel_fingerprint
+from ..kernel.settings import signals_label
 from .kvzip_protocol import compress, replay_ids, template_parts
 from ..rules import get
 from . import interrupt, results
@@ -160,6 +161,9 @@ class Runner:
         # Any head-adaptive rule puts every rule of the run on the pooled layout (one kernel fingerprint per run).
         self.layout = grid.layout()
         self._pool = {"head_pool": True} if self.layout == "head-pool" else {}
+        # One signal set for every rule of the run (a kernel setting, like the window): one kernel, one fingerprint.
+        self.signals = grid.signal_set()
+        self.signals_label = signals_label(self.signals)
         self.eos = eos_ids(model, tokenizer) if model is not None else set()
         self._fingerprints: dict[str, str] = {}
         self.fingerprint_cached: dict[str, bool] = {}  # rule -> read from disk, not traced (`fairness.fingerprint_store`)
@@ -258,7 +262,7 @@ class Runner:
             forward.install()
             return forward
         fx_compile(self.model, rule=rule, budget=budget, chunk_size=g.chunk_size, backend=g.backend,
-                   headroom=self.headroom, progress=False, **self._pool)
+                   headroom=self.headroom, signals=self.signals, progress=False, **self._pool)
         forward = self._forwards[key] = self.model.forward
         if g.backend is not None:
             forward.buckets = tuple(sorted({self.question_bucket, g.chunk_size} - {None, 0}))
@@ -271,7 +275,8 @@ class Runner:
         if key not in self._frozen:
             graphs: list = []
             self._frozen[key] = frozen_runner(self.model, self.grid.backend, forward.window, block=forward.block,
-                                              on_graph=graphs.append), graphs  # the cache says its layout
+                                              on_graph=graphs.append, measure=forward.measure), graphs  # the cache
+            # says its layout; the forward's measure phase (its form and the run's signal set)
         return self._frozen[key]
 
     def _fingerprint(self, rule) -> str:
@@ -282,7 +287,7 @@ class Runner:
             budget = max((b for b in self.grid.budgets if budget_fraction(b) is None), default=1024)
             with Clock() as clock:  # inspect's probe, traced once per model, rule, code and versions (on disk)
                 self._fingerprints[rule.name], self.fingerprint_cached[rule.name] = cached_kernel_fingerprint(
-                    self.model, rule, budget=budget, compute=kernel_fingerprint, **self._pool)
+                    self.model, rule, budget=budget, compute=kernel_fingerprint, signals=self.signals, **self._pool)
             self.fingerprint_s += clock.run + clock.compile
             interrupt.checkpoint("fingerprinted")  # between the fingerprint and the compile
         return self._fingerprints[rule.name]
@@ -352,7 +357,7 @@ class Runner:
             ids, cache = greedy(self.model, output_cache(out), out.logits[:, -1], max_new, self.eos)
         self._timed(pre), self._timed(dec)
         return {"rule": REFERENCE, "rule_params": {}, "budget": None, "window": None, "kernel_fingerprint": None,
-                "fingerprint_cached": None,
+                "signals": None, "fingerprint_cached": None,
                 "allocation": None, "layout": None,
                 "shared_prefill": False, "prefill_s": pre.run, "decode_s": dec.run,
                 "compile_s": pre.compile + dec.compile + likelihood.pop("compile_s"), **likelihood,
@@ -398,7 +403,7 @@ class Runner:
                                     cache=model.forward.new_cache(prefill_ids.shape[0], headroom=slots))
                     cache, logits = done.cache, done.logits
                 elif shared is not None:
-                    branch(shared, cache, rule)
+                    branch(shared, cache, rule, self.signals)
                     logits = shared.logits
                 else:
                     logits = model(input_ids=prefill_ids, cache=cache, logits_to_keep=1).logits[:, -1]
@@ -419,7 +424,7 @@ class Runner:
         return {"rule": rule_name, "rule_params": rule.params(), "budget": budget, "window": kernel_window(rule),
                 "allocation": allocation(rule), "layout": self.layout,
                 "layer_budgets": cache.layer_budgets if len(set(cache.layer_budgets)) > 1 else None,
-                "headroom": self.headroom, "kernel_fingerprint": fingerprint,
+                "headroom": self.headroom, "kernel_fingerprint": fingerprint, "signals": self.signals_label,
                 "fingerprint_cached": self.fingerprint_cached.get(rule.name), "shared_prefill": shared is not None,
                 # Graphs this rule and budget used so far: its own, and the frozen calls' (shared with other rules).
                 "compiled_graphs": len(forward.graphs) + len(self._frozen_for(forward)[1]) if g.backend else None,
@@ -457,7 +462,8 @@ class Runner:
                 cache = output_cache(model(input_ids=ctx, use_cache=True, logits_to_keep=1))
             self._timed(pre)
             config = {"rule": REFERENCE, "rule_params": {}, "budget": None, "window": None,
-                      "kernel_fingerprint": None, "fingerprint_cached": None, "allocation": None, "layout": None,
+                      "kernel_fingerprint": None, "signals": None, "fingerprint_cached": None, "allocation": None,
+                      "layout": None,
                       "shared_prefill": False, "prefill_s": pre.run, "branch_s": None}
             results = run(model, cache, turns, eos=self.eos, likelihood=g.likelihood)
             restore = None
@@ -478,14 +484,14 @@ class Runner:
                 else:
                     cache = model.forward.new_cache(ctx.shape[0], prompt=ctx.shape[1])
                     if shared is not None:
-                        branch(shared, cache, rule)
+                        branch(shared, cache, rule, self.signals)
                     else:
                         model(input_ids=ctx, cache=cache, logits_to_keep=1)
             self._timed(pre)
             config = {"rule": rule_name, "rule_params": rule.params(), "budget": budget, "window": kernel_window(rule),
                       "allocation": allocation(rule), "layout": self.layout,
                       "layer_budgets": cache.layer_budgets if len(set(cache.layer_budgets)) > 1 else None,
-                      "headroom": self.headroom, "kernel_fingerprint": fingerprint,
+                      "headroom": self.headroom, "kernel_fingerprint": fingerprint, "signals": self.signals_label,
                       "fingerprint_cached": self.fingerprint_cached.get(rule.name),
                       "shared_prefill": shared is not None,
                       "prefill_s": pre.run + (shared_s or 0.0), "branch_s": pre.run if shared is not None else None,

@@ -4,7 +4,8 @@ the rule region (the rule's `score` and `protect`) differs.
 One call, per batch row and KV head, with `S` slots and `n` new tokens (`C = S + n` candidates), in three phases
 (`pipeline`, the only place they are put in order):
 1. `measure` (`measure.py`, attention in `attention.py` eagerly and `block_scan.py` traced): exact softmax attention
-   of the call's queries over the visible candidates, then every signal for every candidate, whatever the rule.
+   of the call's queries over the visible candidates, then the run's signal set (`signal_set.py`: what the run's
+   rules read, or every signal) for every candidate, the same for every rule of the run.
 2. the rule region (`rule_region.py`): `score = rule.score(signals)`; candidates in `rule.protect(signals)` score
    +inf, empty slots -inf; on the head pool, the allocation step.
 3. `evict` (`evict.py`): the top `keep` candidates by score are kept (ties: newer position wins); surviving new tokens
@@ -18,7 +19,8 @@ candidate) and its computation in `measure.py`; a signal of a token alone (cache
 entry of `signals.TOKEN_SIGNALS` (docs/rules.md shows the recipe).
 
 Beside the phases: the marker op that links an attention call to its cache slots (`marker.py`), what a rule may do
-inside the kernel (`contract.py`) and a rule's dry run against that contract (`probe.py`).
+inside the kernel (`contract.py`), a rule's dry run against that contract (`probe.py`) and the run's signal set
+from those dry runs (`signal_set.py`).
 
 May import: `rules.base` (the rule interface, no rule), `checks`.
 """

@@ -16,6 +16,8 @@ is bound by memory traffic. Only `attn` reads every query; it has an exact fused
 3. `window_attn`, `last_attn` and `window_max_attn` read the call's last `w` queries: one `attention.Block` over them
    (the code today's form runs), `w x (S + n)` scores.
 `acc_attn`, the totals and the per-token signals are `measure`'s own, the same for both forms: a rule cannot tell.
+A run whose rules read neither `attn` nor `acc_attn` (its signal set, `kernel.signal_set`) skips step 2: the output
+from one fused call (no log-sum-exp asked) and the window block, `attn` absent and the carried state not updated.
 
 The head pool (`layouts.HeadPool`): the pooled keys are one KV head every query head sees; the call's new tokens are
 laid after the pool head by head (`[pool; new of head 0; ...]`, one KV head), each query head seeing only its own
@@ -51,9 +53,11 @@ VALUE_DIM = 16
 
 
 def flex_attend(q: Tensor, k_slots: Tensor, v_slots: Tensor, slot_pos: Tensor, k_new: Tensor, v_new: Tensor,
-                qpos: Tensor, *, scale: float, sliding: int) -> tuple[Tensor, Tensor]:
+                qpos: Tensor, *, scale: float, sliding: int, attn: bool = True) -> tuple[Tensor, Tensor | None]:
     """The attention output `[b, q_heads, n, dv]` (in `v_new`'s dtype) and `attn` `[b, h, S + n]` (fp32; fp64 for
     fp64 inputs): each candidate's attention summed over the KV group's query heads and every valid query.
+    `attn=False` (no rule of the run reads `attn` or `acc_attn`: the run's signal set): the first call only, no
+    log-sum-exp asked, and None for `attn`.
 
     Args:
         q: queries `[b, q_heads, n, d]`. k_slots, v_slots: `[b, h, S, d]`, or `[b, 1, P, d]` (the head pool, `S = P`).
@@ -110,6 +114,9 @@ def flex_attend(q: Tensor, k_slots: Tensor, v_slots: Tensor, slot_pos: Tensor, k
     vis_f, full_f = fold(vis_blk), fold(full_blk)
     flex = fused_flex(q.device)
     mask = _block_mask(vis_f, full_f, lambda bi, hi, ri, ci: visible(bi, hi, ci, ri), (heads * n_pad, C))
+    if not attn:  # the output alone: one fused call, as the unmodified model's attention
+        out = flex(qf, k_all, v_all, block_mask=mask, scale=scale)
+        return out.view(b, hk, heads, n_pad, -1).reshape(b, hq, n_pad, -1)[:, :, :n].to(v_new.dtype), None
     out, aux = flex(qf, k_all, v_all, block_mask=mask, scale=scale, return_aux=AuxRequest(lse=True))
     out = out.view(b, hk, heads, n_pad, -1).reshape(b, hq, n_pad, -1)[:, :, :n]
 

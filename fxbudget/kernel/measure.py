@@ -1,5 +1,6 @@
-"""`measure`, the kernel's first phase: exact attention of the call's queries over the visible candidates, and every
-signal of every candidate, whatever the rule (`Signals`; DESIGN §4).
+"""`measure`, the kernel's first phase: exact attention of the call's queries over the visible candidates, and the
+run's signal set (`settings.MeasureSpec`: what the run's rules read, or every signal) for every candidate, the same
+for every rule of the run (`Signals`; DESIGN §4). A signal outside the set is left out of the signals returned.
 
 Candidates are a layer's slots (as the layout hands them: `Layout.view`) followed by the call's new tokens; visible
 are valid slots and new tokens at positions <= the query's (within `sliding` for sliding-window layers). Query heads
@@ -17,7 +18,7 @@ from torch import Tensor
 from .attention import Block, loop_blocks
 from .block_scan import scan_blocks
 from .flex_measure import flex_attend
-from .settings import DEFAULT_BLOCK, DEFAULT_MEASURE, auto_block, measure_form
+from .settings import DEFAULT_BLOCK, DEFAULT_MEASURE, MEASURED_SIGNALS, MeasureSpec, auto_block, measure_form, measure_spec
 from .signals import TOKEN_SIGNALS, check_left_padded, window_block, window_max
 from .state import SIGNAL_NAMES, TOTALED, LayerConstants, LayerSlots, NewTokens
 
@@ -25,10 +26,11 @@ from .state import SIGNAL_NAMES, TOTALED, LayerConstants, LayerSlots, NewTokens
 def measure(
     q: Tensor, slots: LayerSlots, new: NewTokens, const: LayerConstants, *, window: int, sliding: int,
     scale: float | None, block: int | None = DEFAULT_BLOCK, traced: bool = False, empty: bool = False,
-    form: str = DEFAULT_MEASURE,
+    form: str | MeasureSpec = DEFAULT_MEASURE,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """The attention output `[batch, q_heads, n, head_dim]`, the `TOTALED` signals' totals `[batch, kv_heads, 9]`,
-    and every signal (`state.SIGNAL_NAMES`, a dict in that order).
+    """The attention output `[batch, q_heads, n, head_dim]`, the `TOTALED` signals' totals `[batch, kv_heads, 9]`
+    (0 for a signal not measured), and the signals (`state.SIGNAL_NAMES`, a dict in that order) but those of
+    `MEASURED_SIGNALS` outside the spec's set.
 
     `slots` is read only (its `keys`/`values` may have one head: the head pool, where every head sees the whole
     pool; `pos`, `state` and `norms` are then as each head sees them). The call's queries are processed in blocks
@@ -41,8 +43,13 @@ def measure(
     eagerly, the positions say so anyway (and must agree).
     `form` (`settings.measure_form`): "flex" computes the output and `attn` with two fused `flex_attention` calls
     and the window signals from the last `w` queries' block (`flex_measure`), for a call of more than `w` queries;
-    "blocks" is the above. The signals are the same either way.
+    "blocks" is the above. The signals are the same either way. `form` may be a `MeasureSpec` (the form and the
+    signal set); a plain form string measures every signal. Without `attn` and `acc_attn` in the set, the flex form
+    skips its transposed call and the carried state is not updated.
     """
+    spec = measure_spec(form)
+    form, measured = spec.form, spec.signals
+    need_attn = bool(measured & {"attn", "acc_attn"})
     k_slots, v_slots, pos_slots = slots.keys, slots.values, slots.pos
     k_new, v_new, new_pos = new.keys, new.values, new.pos
     b, h, S = pos_slots.shape
@@ -82,7 +89,7 @@ def measure(
     R = min(block or auto_block(b * q.shape[1], n, q.device), n)
     if n > w and measure_form(form, q.device, q.dtype) == "flex":  # a call of <= w queries is its own window block
         out, sig_s, sig_n, win_max = _flex(blk, q, queries_acc, k_slots[:, :, :live], v_slots[:, :, :live], k_new,
-                                           v_new, qpos, weights, w, scale, sliding)
+                                           v_new, qpos, weights, w, scale, sliding, need_attn)
     elif n <= R:  # one block (a decode step, a prefill chunk): the window max from its softmax
         out, sig_s, sig_n, max_s, max_n = blk(queries_acc, qpos, weights, 0, n, win=(n - w, n))
         win_max = torch.cat([max_s, max_n], dim=-1)
@@ -97,24 +104,30 @@ def measure(
         win_max = torch.cat([win_max.new_zeros(b, h, S - live), win_max], dim=-1)
 
     attn, window_attn, last_attn = (torch.cat([sig_s[:, :, i], sig_n[:, :, i]], dim=-1) for i in range(3))
-    acc_attn = torch.cat([slots.state, slots.state.new_zeros(b, h, n)], dim=2).to(acc) + attn
-    # Cached entries' per-token signals were stored when they were written: no second pass over the K/V cache.
-    token = {name: torch.cat([slots.norms[..., i].to(acc), fn(new, const, acc)], dim=-1)
-             for i, (name, fn) in enumerate(TOKEN_SIGNALS.items())}
-    found = dict(attn=attn, window_attn=window_attn, last_attn=last_attn, acc_attn=acc_attn, pos=pos,
+    found = dict(attn=attn, window_attn=window_attn, last_attn=last_attn, pos=pos,
                  queries=queries, k_slots=k_slots, k_new=k_new, new_pos=new_pos, inv_freq=const.inv_freq,
-                 v_slots=v_slots, v_new=v_new, window_max_attn=win_max, **token)
-    signals = {name: found[name] for name in SIGNAL_NAMES}  # a `Signals` field measured nowhere fails here
+                 v_slots=v_slots, v_new=v_new, window_max_attn=win_max)
+    if "acc_attn" in measured:  # the carried state is updated only by a kernel that measures attention
+        found["acc_attn"] = torch.cat([slots.state, slots.state.new_zeros(b, h, n)], dim=2).to(acc) + attn
+    # Cached entries' per-token signals were stored when they were written: no second pass over the K/V cache.
+    found.update({name: torch.cat([slots.norms[..., i].to(acc), fn(new, const, acc)], dim=-1)
+                  for i, (name, fn) in enumerate(TOKEN_SIGNALS.items()) if name in measured})
+    # A `Signals` field measured nowhere fails here; a measured one outside the run's set is left out.
+    signals = {name: found[name] for name in SIGNAL_NAMES if name in measured or name not in MEASURED_SIGNALS}
     return out, signal_totals(signals), signals
 
 
 def _flex(blk: Block, q, queries_acc, k_slots, v_slots, k_new, v_new, qpos, weights, w: int, scale: float,
-          sliding: int):
+          sliding: int, need_attn: bool = True):
     """The flex form (`flex_measure`): the output and `attn` fused, the window signals from one `Block` over the
-    last `w` queries. Returns what the block forms return: out, sums over slots and new tokens, the window max."""
+    last `w` queries. Returns what the block forms return: out, sums over slots and new tokens, the window max.
+    Without `need_attn`, no transposed call: `attn`'s row is zeros there, left out of the signals by `measure`."""
     S = blk.slot_pos.shape[-1]
-    out, attn = flex_attend(q, k_slots, v_slots, blk.slot_pos, k_new, v_new, qpos, scale=scale, sliding=sliding)
+    out, attn = flex_attend(q, k_slots, v_slots, blk.slot_pos, k_new, v_new, qpos, scale=scale, sliding=sliding,
+                            attn=need_attn)
     s_s, s_n, m_s, m_n, c0 = window_block(blk, queries_acc, qpos, weights, w)
+    if attn is None:
+        attn = s_s.new_zeros(s_s.shape[0], s_s.shape[1], S + qpos.shape[1])
     sig_s = torch.cat([attn[:, :, None, :S].to(s_s.dtype), s_s[:, :, 1:]], dim=2)
     sig_n = torch.cat([attn[:, :, None, S:].to(s_n.dtype), F.pad(s_n[:, :, 1:], (c0, 0))], dim=2)
     return out, sig_s, sig_n, torch.cat([m_s, F.pad(m_n, (c0, 0))], dim=-1)
@@ -122,6 +135,9 @@ def _flex(blk: Block, q, queries_acc, k_slots, v_slots, k_new, v_new, qpos, weig
 
 def signal_totals(signals: dict[str, Tensor]) -> Tensor:
     """Per-call totals of the `TOTALED` signals (in that order), `[batch, kv_heads, len(TOTALED)]`, in the
-    attention's dtype (fp32; fp64 for fp64 inputs)."""
-    acc = signals["attn"].dtype
-    return torch.stack([signals[name].to(acc).sum(dim=-1) for name in TOTALED], dim=-1)
+    attention's dtype (fp32; fp64 for fp64 inputs); 0 for a signal not measured (outside the run's set: the totals
+    are diagnostics, and a NaN would make two equal caches compare unequal)."""
+    acc = torch.promote_types(signals["k_new"].dtype, torch.float32)
+    pos = signals["pos"]
+    return torch.stack([signals[name].to(acc).sum(dim=-1) if name in signals else
+                        torch.zeros(pos.shape[:-1], dtype=acc, device=pos.device) for name in TOTALED], dim=-1)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..rules.base import Rule
+from .evict import EVICT_READS
 from .layouts import Layout, layout
 from .measure import measure
 from .rule_region import rule_region
@@ -37,7 +38,27 @@ def rule_phase(lay: Layout, rule: Rule, budget: int, window: int, signals: dict[
 def evict_phase(lay: Layout, score: Tensor, signals: dict[str, Tensor], totals: Tensor, slots: LayerSlots,
                 new: NewTokens, *, keep: int) -> None:
     """Phase 3: keep `keep` entries per head (the layer's `h x keep` on the head pool), in place."""
-    lay.evict(score, signals, totals, slots, new, keep=keep)
+    lay.evict(score, evict_inputs(lay, signals, slots), totals, slots, new, keep=keep)
+
+
+def evict_inputs(lay: Layout, signals: dict[str, Tensor], slots: LayerSlots) -> dict[str, Tensor]:
+    """`signals` with what `evict` writes back of a signal outside the run's set (`EVICT_READS`): `acc_attn` as the
+    carried state unchanged (new tokens' 0: not updated by a kernel that does not measure attention), a per-token
+    signal as zeros in its cached column."""
+    missing = [name for name in EVICT_READS if name not in signals]
+    if not missing:
+        return signals
+    pos = signals["pos"]
+    acc = torch.promote_types(signals["k_new"].dtype, torch.float32)
+    n = signals["new_pos"].shape[-1]
+    done = dict(signals)
+    for name in missing:
+        if name == "acc_attn":
+            state = lay.view(slots).state
+            done[name] = torch.cat([state, state.new_zeros(*state.shape[:-1], n)], dim=-1).to(acc)
+        else:
+            done[name] = torch.zeros(pos.shape, dtype=acc, device=pos.device)
+    return done
 
 
 def select(lay: Layout, rule: Rule, signals: dict[str, Tensor], totals: Tensor, slots: LayerSlots, new: NewTokens,

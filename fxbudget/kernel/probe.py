@@ -62,6 +62,11 @@ class _Recording(Signals):
         raise _UnknownSignal(name)
 
 
+# The per-candidate fields `probe_signals` draws by name (with their own ranges).
+_LISTED = ("attn", "window_attn", "last_attn", "acc_attn", "key_norm", "value_norm", "pos", "window_max_attn",
+           "wov_norm")
+
+
 def probe_signals(*, batch: int = 1, kv_heads: int = 2, group: int = 2, slots: int = 6, new: int = 4,
                   head_dim: int = 8, seed: int = 0) -> Signals:
     """Small random `Signals` of the kernel's shapes: `slots` cached candidates (positions 0..slots-1) followed by
@@ -74,7 +79,10 @@ def probe_signals(*, batch: int = 1, kv_heads: int = 2, group: int = 2, slots: i
 
     pos = torch.arange(c).expand(batch, kv_heads, c).contiguous()
     recording = type("ProbeSignals", (_Recording,), {"_read": set()})
-    return recording(
+    # A per-candidate signal added since (a new `TOKEN_SIGNALS` entry and its field): random, as the others.
+    added = {f.name: rand(batch, kv_heads, c) for f in dataclasses.fields(Signals)
+             if f.metadata.get("per_candidate") and f.name not in _LISTED}
+    return recording(**added,
         attn=rand(batch, kv_heads, c), window_attn=rand(batch, kv_heads, c), last_attn=rand(batch, kv_heads, c),
         acc_attn=rand(batch, kv_heads, c), key_norm=rand(batch, kv_heads, c), value_norm=rand(batch, kv_heads, c),
         pos=pos, queries=torch.randn(batch, kv_heads, group * new, head_dim, generator=g),

@@ -7,8 +7,9 @@ import torch
 from torch import Tensor
 
 from .contract import NoMutation, check_output
-from ..rules.base import Rule, Signals
+from ..rules.base import Absent, Rule, Signals
 from .evict import _order_key, _top_indices
+from .state import SIGNAL_NAMES
 
 
 def rule_region(rule: Rule, budget: int, window: int, signals: dict[str, Tensor], floor: int | None = None) -> Tensor:
@@ -35,12 +36,14 @@ def rule_region(rule: Rule, budget: int, window: int, signals: dict[str, Tensor]
     # The head pool's slots come with one head: every head's rule sees them all (a view, not a copy).
     signals = {name: x.expand(x.shape[0], h, *x.shape[2:]) if name in ("k_slots", "v_slots") and x.shape[1] != h
                else x for name, x in signals.items()}
-    s = Signals(**signals, budget=budget, window=rows)
+    # A signal outside the run's set is absent: reading it raises (`Signals`), it is never a zero.
+    s = Signals(**{name: signals[name] if name in signals else Absent(name) for name in SIGNAL_NAMES},
+                budget=budget, window=rows)
     with NoMutation(rule, tuple(signals.values())):
         score = rule.score(s)
         protect = rule.protect(s)
     check_output(rule, "the score", score, s.pos, floating=True)
-    score = score.to(s.attn.dtype)
+    score = score.to(s.dtype)
     score = score.masked_fill(score.isnan(), float("-inf"))
     if protect is not None:
         check_output(rule, "protect()", protect, s.pos, floating=False)

@@ -1,11 +1,14 @@
-"""The kernel's settings shared by every rule of a run: the observation window, the query block and the measure
-phase's form."""
+"""The kernel's settings shared by every rule of a run: the observation window, the query block, the measure
+phase's form and the signal set it measures (`MeasureSpec`)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
+
+from .signals import TOKEN_SIGNALS
 
 DEFAULT_WINDOW = 32  # observation window shared by all rules of a run (snapkv's paper default)
 # Queries per block of `measure`: a kernel setting shared by every rule (None = `auto_block`). A call's attention
@@ -46,6 +49,7 @@ AUTO_FORM = {"cuda": "flex"}
 
 
 def check_measure(form) -> None:
+    form = form.form if isinstance(form, MeasureSpec) else form
     if form not in MEASURE_FORMS:
         raise ValueError(f"measure must be one of {MEASURE_FORMS} (the kernel's measure phase), got {form!r}")
 
@@ -65,6 +69,7 @@ def measure_form(form: str, device: torch.device, dtype: torch.dtype | None = No
         RuntimeError: "flex" on a device where its signals were not verified (unless FXBUDGET_UNVERIFIED_FLEX=1).
         ValueError: "flex" off the CPU in a dtype flex's GPU kernels do not compile (`FLEX_GPU_DTYPES`).
     """
+    form = form.form if isinstance(form, MeasureSpec) else form
     check_measure(form)
     kind = torch.device(device).type
     compiles = kind == "cpu" or dtype is None or dtype in FLEX_GPU_DTYPES
@@ -77,3 +82,50 @@ def measure_form(form: str, device: torch.device, dtype: torch.dtype | None = No
         raise RuntimeError(f"fxbudget: measure='flex' is not verified on {kind} (docs/gpu.md); use "
                            f"measure='blocks', or set {UNVERIFIED_FLEX_ENV}=1 to run it anyway")
     return form
+
+
+# The signals the kernel measures: the run's signal set is a subset of these: the attention signals, then the
+# per-token ones (`signals.TOKEN_SIGNALS`: a signal added there is measured, and skippable, like these). Every other
+# name a rule reads on `Signals` is one of the call's inputs (positions, queries, keys, values, RoPE frequencies,
+# budget, window) or derived from them, there in every kernel.
+ATTENTION_SIGNALS = ("attn", "window_attn", "last_attn", "acc_attn", "window_max_attn")
+MEASURED_SIGNALS = ATTENTION_SIGNALS + tuple(TOKEN_SIGNALS)
+ALL_SIGNALS = "all"  # every measured signal: for pooling a run's rows with other runs'
+
+
+@dataclass(frozen=True)
+class MeasureSpec:
+    """What the measure phase runs, a kernel setting shared by every rule of a run: its `form` (`MEASURE_FORMS`) and
+    the `signals` it measures (a subset of `MEASURED_SIGNALS`; `kernel.signal_set` derives a run's from its rules).
+    A signal outside the set is absent from the rule's `Signals` (reading it raises), not zero; the flex form skips
+    its transposed call when neither `attn` nor `acc_attn` is in it. A plain form string measures every signal."""
+
+    form: str = DEFAULT_MEASURE
+    signals: frozenset = frozenset(MEASURED_SIGNALS)
+
+    def __post_init__(self):
+        check_measure(self.form)
+        unknown = set(self.signals) - set(MEASURED_SIGNALS)
+        if unknown:
+            raise ValueError(f"signals: {', '.join(sorted(unknown))} not measured by the kernel; the measured signals "
+                             f"are {', '.join(MEASURED_SIGNALS)} (or {ALL_SIGNALS!r})")
+        object.__setattr__(self, "signals", frozenset(self.signals))
+
+    @property
+    def label(self) -> str:
+        """The set as rows, fingerprints and `fxbudget inspect` name it (`signals_label`)."""
+        return signals_label(self.signals)
+
+
+def signals_label(signals) -> str:
+    """"all" for every measured signal, else the names in `MEASURED_SIGNALS` order joined by commas ("none" if
+    empty)."""
+    signals = set(signals)
+    if signals >= set(MEASURED_SIGNALS):
+        return ALL_SIGNALS
+    return ",".join(n for n in MEASURED_SIGNALS if n in signals) or "none"
+
+
+def measure_spec(measure) -> MeasureSpec:
+    """`measure` (a form string, or a `MeasureSpec`) as a `MeasureSpec`; a string measures every signal."""
+    return measure if isinstance(measure, MeasureSpec) else MeasureSpec(form=measure)

@@ -37,6 +37,8 @@ from tqdm import tqdm
 
 from ..api import kernel_fingerprint
 from ..fairness.fingerprint_store import cached_kernel_fingerprint
+from ..kernel.settings import signals_label
+from ..kernel.signal_set import run_signals
 from ..harness.runner import budget_fraction
 from ..harness.tasks.ruler import find_question
 from . import loading
@@ -290,7 +292,8 @@ class FxBudgetLM(HFLM):
         if self._fingerprint is None:  # once, on the unmodified model (every forward is restored by now)
             try:  # compare's value on its probe, read from the on-disk cache when traced before
                 self._fingerprint, self._fingerprint_cached = cached_kernel_fingerprint(
-                    model, o.rule, budget=o.budget if absolute else 1024, compute=kernel_fingerprint)
+                    model, o.rule, budget=o.budget if absolute else 1024, compute=kernel_fingerprint,
+                    signals=run_signals([o.rule]))  # the kernel `fx_compile` runs: what the rule reads
             except Exception as e:  # noqa: BLE001  (called after the evaluation: record why, do not lose its results)
                 self._fingerprint = f"unavailable: {type(e).__name__}: {e}"
                 warnings.warn(f"fxbudget: kernel fingerprint {self._fingerprint}", stacklevel=2)
@@ -301,7 +304,7 @@ class FxBudgetLM(HFLM):
             "allocation": "uniform" if schedule is None else f"per-layer ({o.rule.name} schedule)",
             "observation_window": o.window, "chunk_size": o.chunk_size, "rolling_call_tokens": o.rolling_call,
             "backend": o.backend or "none", "block": o.block, "kernel_fingerprint": self._fingerprint,
-            "kernel_fingerprint_cached": self._fingerprint_cached,
+            "kernel_fingerprint_cached": self._fingerprint_cached, "signals": signals_label(run_signals([o.rule])),
             "device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."),
             "versions": {"fxbudget": _version("flexbudget"), "lm_eval": _version("lm_eval"),
                          "torch": torch.__version__, "transformers": transformers.__version__,

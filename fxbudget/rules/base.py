@@ -1,12 +1,15 @@
 """The rule interface: what the shared kernel measures (`Signals`) and what a rule returns.
 
 A rule is a pure scoring function of the signals. It never touches the cache and never adds a code path to the
-kernel: the kernel computes every signal for every candidate in every call, whatever the rule (DESIGN §4).
+kernel: the kernel computes the run's signal set (what the run's rules read, or every signal) for every candidate in
+every call, the same for every rule of the run (DESIGN §4). A signal outside the set is absent: reading it raises.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -41,6 +44,22 @@ def unrotate(x: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
 # Field metadata of the `Signals` that hold one value per candidate, `[batch, kv_heads, C]`: the kernel totals them
 # per call (`fxbudget.kernel.state.TOTALED`), and a layout or a shared-prefill branch assembles them slots-then-new.
 PER_CANDIDATE = {"per_candidate": True}
+
+
+class SignalNotMeasured(RuntimeError):
+    """A rule read a signal this run's kernel does not measure (outside the run's signal set)."""
+
+
+class Absent:
+    """The value of a signal the kernel did not measure (`Signals` raises `SignalNotMeasured` on reading it)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}: not measured>"
 
 
 @dataclass
@@ -94,6 +113,22 @@ class Signals:
     wov_norm: Tensor = field(metadata=PER_CANDIDATE)
     budget: int
     window: Tensor
+
+    def __getattribute__(self, name):
+        value = object.__getattribute__(self, name)
+        # `dataclasses.replace` (a rule's modified copy) reads every field: it copies an absent one as it is.
+        if type(value) is Absent and sys._getframe(1).f_code.co_filename != dataclasses.__file__:
+            raise SignalNotMeasured(
+                f"s.{name} is not measured by this run's kernel: its signal set holds what the run's rules read on "
+                f"their dry run (fxbudget.kernel.signal_set), or every signal with signals='all'")
+        return value
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the measured signals and of the score (float32; float64 for float64 inputs), read from the
+        keys, which every kernel has: a rule that needs a dtype reads it here, not off a signal it would otherwise
+        make the kernel measure."""
+        return torch.promote_types(self.k_slots.dtype, torch.float32)
 
     @property
     def step(self) -> Tensor:

@@ -55,7 +55,7 @@ class CAPKV(Rule):
         check_int("capkv n_sink", self.n_sink, 0)
 
     def score(self, s: Signals) -> Tensor:
-        dt = s.attn.dtype
+        dt = s.dtype
         b, h, gn, d = s.queries.shape
         n = s.new_pos.shape[-1]
         g = gn // n

@@ -37,7 +37,7 @@ def noncausal_chunked_attention(s: Signals, mid: Tensor, chunk: int) -> Tensor:
     n = s.new_pos.shape[-1]
     g = s.queries.shape[2] // n
     d = s.queries.shape[-1]
-    dt = s.attn.dtype
+    dt = s.dtype
     S = c - n
     # Every candidate's queries [b, h, g, C, d]: the call's tokens have theirs, cached entries a zero query.
     q = torch.cat([s.queries.new_zeros(b, h, g, S, d), s.queries.view(b, h, g, n, d)], dim=3).to(dt)
@@ -96,9 +96,9 @@ class Compactor(Rule):
         lev = layer_zscore(leverage_scores(s.prerope_keys(), mid, self.sketch_dimension, self.seed), mid)
         att = layer_zscore(noncausal_chunked_attention(s, mid, self.chunk_size), mid)
         if self.blending is None:
-            blend = (1 - s.budget / s.step.to(s.attn.dtype)).clamp(min=0)
+            blend = (1 - s.budget / s.step.to(s.dtype)).clamp(min=0)
         else:
-            blend = torch.tensor(float(self.blending), dtype=s.attn.dtype, device=s.pos.device)
+            blend = torch.tensor(float(self.blending), dtype=s.dtype, device=s.pos.device)
         return torch.where(mid, blend * lev + att, 0.0)
 
     def protect(self, s: Signals) -> Tensor:

@@ -49,7 +49,7 @@ class CUR(Rule):
                 raise ValueError(f"cur {name} must be a bool, got {getattr(self, name)!r}")
 
     def score(self, s: Signals) -> Tensor:
-        dt = s.attn.dtype
+        dt = s.dtype
         if self.use_random_leverage:
             g = gaussian_sketch(s.k_slots.shape[-1], 20, self.seed, s.pos.device, dt) / math.sqrt(20)
             k2 = (s.keys.to(dt) @ g).square().sum(-1)

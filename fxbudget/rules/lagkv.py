@@ -39,7 +39,7 @@ class LagKV(Rule):
             raise ValueError(f"lagkv cross_scoring must be a bool, got {self.cross_scoring!r}")
 
     def score(self, s: Signals) -> Tensor:
-        dt = s.attn.dtype
+        dt = s.dtype
         valid = s.pos >= 0
         seen = s.step  # [b, 1, 1]
         scored = valid & (s.pos >= self.n_sink)

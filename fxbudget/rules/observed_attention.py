@@ -30,4 +30,4 @@ def seen_by(s: Signals) -> Tensor:
 @dataclass
 class ObservedAttention(Rule):
     def score(self, s: Signals) -> Tensor:
-        return s.attn / seen_by(s).clamp(min=1).to(s.attn.dtype)
+        return s.attn / seen_by(s).clamp(min=1).to(s.dtype)

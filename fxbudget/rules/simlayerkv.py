@@ -68,7 +68,7 @@ class SimLayerKV(Rule):
         return mass.mean(dim=1, keepdim=True) > self.lazy_threshold
 
     def score(self, s: Signals) -> Tensor:
-        return torch.where(self.lazy(s), s.pos.to(s.attn.dtype), kvpress_snapkv(s, self.kernel))
+        return torch.where(self.lazy(s), s.pos.to(s.dtype), kvpress_snapkv(s, self.kernel))
 
     def protect(self, s: Signals) -> Tensor:
         return self.lazy(s) & (s.pos >= 0) & (s.pos < self.n_initial)

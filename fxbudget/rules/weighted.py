@@ -104,22 +104,28 @@ class Weighted(Rule):
         """Only a nonzero `w_wov_norm` reads W_o (wov_norm is NaN where the model's W_o is unknown)."""
         return bool(self.w_wov_norm)
 
-    def features(self, s: Signals) -> dict[str, Tensor]:
-        """The normalized features, by weight name (`z` of each term of the formula)."""
+    def features(self, s: Signals, names: tuple[str, ...] = WEIGHTS) -> dict[str, Tensor]:
+        """The normalized features `names` (weight names; default all), by weight name (`z` of each term of the
+        formula). Only those asked for are computed, so a rule reads only the signals of its nonzero weights (the
+        run's kernel measures what its rules read: `fxbudget.kernel.signal_set`)."""
         valid = s.pos >= 0
         count = valid.sum(-1, keepdim=True).clamp_min(1)
-        tiny = torch.finfo(s.attn.dtype).tiny
-        raw = {f"w_{n}": torch.log(getattr(s, n).clamp_min(tiny)) for n in _LOG[:-1]}
-        raw["w_mean_attn"] = torch.log(ObservedAttention().score(s).clamp_min(tiny))
-        raw["w_key_diff"] = KeyDiff().score(s)
-        raw["w_key_norm"], raw["w_value_norm"], raw["w_wov_norm"] = s.key_norm, s.value_norm, s.wov_norm
-        raw["w_recency"] = -torch.log((s.step - s.pos).clamp_min(1).to(s.attn.dtype))
-        return {name: _z(x.to(s.attn.dtype), valid, count) for name, x in raw.items()}
+        dt = s.dtype
+        tiny = torch.finfo(dt).tiny
+        terms = {**{f"w_{n}": (lambda n=n: torch.log(getattr(s, n).clamp_min(tiny))) for n in _LOG[:-1]},
+                 "w_mean_attn": lambda: torch.log(ObservedAttention().score(s).clamp_min(tiny)),
+                 "w_key_diff": lambda: KeyDiff().score(s),
+                 "w_key_norm": lambda: s.key_norm, "w_value_norm": lambda: s.value_norm,
+                 "w_wov_norm": lambda: s.wov_norm,
+                 "w_recency": lambda: -torch.log((s.step - s.pos).clamp_min(1).to(dt))}
+        return {name: _z(terms[name]().to(dt), valid, count) for name in names}
 
     def score(self, s: Signals) -> Tensor:
-        feats = self.features(s)
-        # Zero weights are left out, not multiplied: 0 * NaN (wov_norm without W_o) would poison the score.
-        score = sum((getattr(self, w) * feats[w] for w in WEIGHTS if getattr(self, w)), torch.zeros_like(s.attn))
+        # Zero weights are left out, not multiplied: 0 * NaN (wov_norm without W_o) would poison the score, and a
+        # signal of a zero weight is not read (nor measured).
+        used = tuple(w for w in WEIGHTS if getattr(self, w))
+        feats = self.features(s, used)
+        score = sum((getattr(self, w) * feats[w] for w in used), torch.zeros_like(s.pos, dtype=s.dtype))
         if self.pool == 1:
             return score
         # Empty slots and pads must not lend their score to a neighbour: -inf before the max pool.
