@@ -129,12 +129,15 @@ def run(cases: list[tuple[str, int, int]], shp: dict, window: int, rule: str, ou
         fused_rows.append(lower_fused(n, shp, value_dim))
         print(f"[gpu_cost inductor] fused prefill n={n}: {fused_rows[-1]['bytes'] / 1e9:.3f} GB "
               f"({fused_rows[-1]['kernels']} kernels)", flush=True)
-    out.write_text(json.dumps(dict(
+    # `decode-counts` writes its own key into the same file: keep it (and whatever else is there).
+    data = json.loads(out.read_text()) if out.exists() else {}
+    data.update(
         note="Inductor's GraphLowering.count_bytes() per phase, one layer, batch 1, bf16, lowered for a fake sm_90 "
              "(tests/fake_cuda.py); loop bodies multiplied by their trip count. Written by "
              "`python benchmarks/gpu/cost.py inductor`.",
         torch=torch.__version__, triton=triton.__version__, python=platform.python_version(), rule=rule,
-        window=window, shapes=shp, cases=rows, fused=fused_rows), indent=1) + "\n")
+        window=window, shapes=shp, cases=rows, fused=fused_rows)
+    out.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def lower_fused(n: int, shp: dict, value_dim: int) -> dict:
