@@ -29,7 +29,7 @@ def _rows() -> list[tuple[str, str]]:
 def _linked_text(benchmark: str) -> str:
     files = []
     for link in re.findall(r"\]\(([^)]+)\)", benchmark):
-        path = (BENCH / link).resolve()
+        path = (BENCH / link.split("#", 1)[0]).resolve()  # an anchor names a part of the file
         if path.is_dir():
             files += [f for f in sorted(path.rglob("*")) if f.suffix in (".md", ".json", ".jsonl", ".txt", ".csv")]
         else:
