@@ -24,7 +24,7 @@ SMALL = ["--tasks", "passkey", "--lengths", "300", "--samples", "1", "--max-new-
 def _folder(tmp_path, model="tiny", **fields) -> Path:
     """A folder holding one row of this command's grid, with `fields` changed."""
     out = tmp_path / "run"
-    out.mkdir()
+    out.mkdir(parents=True)
     r = {"key": "k", "model": model, "dtype": "float32", "device": "cpu", "protocol": "query-agnostic",
          "rule": "full", **fields}
     (out / "results.jsonl").write_text(json.dumps(r) + "\n")
@@ -57,6 +57,30 @@ def test_a_folder_of_the_same_setting_is_not_refused(tmp_path):
     out = _folder(tmp_path, device="cuda:1")  # shards of one grid on two GPUs of one kind
     folder.check(out, folder.Identity("tiny", "float32", "cuda:0", ("query-agnostic", "query-aware")))
     folder.check(tmp_path / "missing", folder.Identity("tiny", "float32", "cpu", ("query-aware",)))
+
+
+def test_a_folder_of_another_signal_set_is_refused_before_the_model(tiny_dir, tmp_path, capsys, no_model_load):
+    """The signal set is a kernel setting: budgeted rows of h2o's set (acc_attn) and a command of snapkv's
+    (window_attn) would be two kernels in one report. Rows without a recorded set measured every signal."""
+    from fxbudget.models.source import resolve_model
+
+    name = resolve_model(tiny_dir).name
+    for fields, theirs in (({"signals": "acc_attn"}, "acc_attn"), ({}, "all")):
+        out = _folder(tmp_path / theirs, model=name, rule="h2o", budget=32, kernel_fingerprint="f", **fields)
+        fails_in_one_line(capsys, ["compare", "--model", tiny_dir, *SMALL, "--out", str(out)],
+                          rf"holds budgeted rows measured with another signal set \({theirs}; this command: "
+                          r"window_attn; .*or pass --signals all to both$")
+
+
+def test_a_folder_of_the_same_signal_set_or_of_full_rows_is_not_refused(tmp_path):
+    from fxbudget.cli import folder
+
+    same = _folder(tmp_path / "same", rule="snapkv", budget=32, kernel_fingerprint="f", signals="window_attn")
+    folder.check(same, folder.Identity("tiny", "float32", "cpu", ("query-agnostic",), "window_attn"))
+    full = _folder(tmp_path / "full", signals=None, kernel_fingerprint=None)  # the unmodified model's row
+    folder.check(full, folder.Identity("tiny", "float32", "cpu", ("query-agnostic",), "acc_attn"))
+    with pytest.raises(ValueError, match="another signal set"):
+        folder.check(same, folder.Identity("tiny", "float32", "cpu", ("query-agnostic",), "all"))
 
 
 def test_documented_commands_never_share_a_folder_and_the_readme_names_the_second_model():

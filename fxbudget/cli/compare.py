@@ -92,8 +92,14 @@ def _compare(args) -> int:
         runner = Runner(None, None, source.name, grid, args.out, shard=args.shard, progress=not args.quiet,
                         max_new_tokens=args.max_new_tokens)
     try:
+        from ..kernel.settings import signals_label
+
+        from ..harness.grid import REFERENCE
+
         plan = runner.plan()
-        folder.check(args.out, folder.Identity(source.name, place.dtype, place.device, tuple(grid.protocols)))
+        budgeted = any(r != REFERENCE for r in grid.rules)  # a run of `full` alone writes no budgeted rows
+        folder.check(args.out, folder.Identity(source.name, place.dtype, place.device, tuple(grid.protocols),
+                                               signals_label(grid.signal_set()) if budgeted else None))
     except ValueError as e:  # a results file with a line that is not a row (a cut last line is only a warning)
         raise UsageError(str(e)) from None
     stages.mark("checks (torch and transformers imports included)")

@@ -1,5 +1,5 @@
 """One folder, one grid: `fxbudget compare --out DIR` refuses a folder whose rows are of another model, dtype, device
-or protocol than the command's. Resuming would otherwise pool them into one report (rows of two models read as one
+protocol or signal set than the command's. Resuming would otherwise pool them into one report (rows of two models read as one
 grid, their two kernels as "rules did not run the same kernel"). Runs of different settings go to their own folders;
 `fxbudget report DIR1 DIR2` reads several on purpose."""
 
@@ -12,12 +12,14 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Identity:
     """What the rows of one folder must share: the model as rows name it, the dtype and device as `Placement` names
-    them, and the command's protocols (the folder's rows must be of these; a command may add protocols)."""
+    them, and the command's protocols (the folder's rows must be of these; a command may add protocols). `signals`:
+    the run's signal set as rows name it (`kernel.settings.signals_label`); None skips the check."""
 
     model: str
     dtype: str
     device: str
     protocols: tuple[str, ...]
+    signals: str | None = None
 
 
 def _kind(device: str) -> str:
@@ -50,3 +52,17 @@ def check(out: str | Path, run: Identity) -> None:
         raise ValueError(f"--out {out} holds rows of protocol {', '.join(other)} (this command: "
                          f"{', '.join(run.protocols)}): one folder holds one grid; {fix}, or run them together "
                          f"with --protocol {both}")
+    if run.signals is not None:
+        _check_signals(out, rows, run.signals, fix)
+
+
+def _check_signals(out, rows, ours: str, fix: str) -> None:
+    """The signal set is a kernel setting (one kernel per grid): budgeted rows measured with another set would read as
+    two kernels in one report. Rows written before the set was recorded measured every signal ("all")."""
+    from ..kernel.settings import ALL_SIGNALS
+
+    theirs = sorted({r.get("signals") or ALL_SIGNALS for r in rows if r.get("kernel_fingerprint")} - {ours})
+    if theirs:
+        raise ValueError(f"--out {out} holds budgeted rows measured with another signal set ({'; '.join(theirs)}; "
+                         f"this command: {ours}; the set is the union of the rules' signals): one folder holds one "
+                         f"grid; {fix}, or run every rule of the folder together, or pass --signals all to both")
