@@ -21,6 +21,7 @@ from .kernel import DEFAULT_BLOCK, check_block
 from .kernel.flex_measure import CPU_INDUCTOR
 from .kernel.settings import MeasureSpec, check_measure
 from .kernel.signal_set import run_signals
+from .cache.byte_budget import byte_size, tokens_for_bytes
 from .cache.rope import rope_refusal_for
 from .cache.for_model import (  # noqa: F401  (re-export)
     check_rule_budget, layer_devices, model_cache, output_projections, resolve_head_pool)
@@ -56,7 +57,23 @@ def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: in
                       "the cache will never be full", stacklevel=3)
 
 
-def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *, chunk_size: int | None = None,
+def _token_budget(model: nn.Module, budget, rule: Rule, head_pool: bool | None) -> tuple[int, int | None]:
+    """`budget` as tokens, and its bytes if it was a size (`cache.byte_budget`: the largest token budget whose cache,
+    at the model's dtype and the run's layout, fits in them)."""
+    size = byte_size(budget)  # raises on a malformed size
+    if size is None:
+        if isinstance(budget, str):
+            raise ValueError(f"budget must be an int >= 1 (KV entries per layer and KV head) or a size in bytes such "
+                             f"as '256MiB', got {budget!r}")
+        return budget, None
+    if not isinstance(model, nn.Module) or getattr(model, "config", None) is None:
+        raise ValueError(f"budget={budget!r}: a byte budget needs a model with a .config (its layers, KV heads and "
+                         "head size give the bytes of an entry); pass a token budget (an int)")
+    dtype = next(model.parameters()).dtype
+    return tokens_for_bytes(budget, model.config, dtype=dtype, head_pool=resolve_head_pool(rule, head_pool)), size
+
+
+def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int | str = 1024, *, chunk_size: int | None = None,
             backend: str | None = "inductor", headroom: int = 0, block: int | None = DEFAULT_BLOCK,
             cudagraphs: bool = False, head_pool: bool | None = None, interval: int = 1, measure: str = "auto",
             signals: str | Iterable[str] | None = None, progress: bool = True, **rule_params) -> nn.Module:
@@ -74,7 +91,11 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
             `past_key_values` (transformers renamed the argument in 5.24; fxbudget accepts either and passes the
             name the model declares).
         rule: a registered rule name (`fxbudget.rules.available()`) or a `Rule` instance.
-        budget: KV entries kept per full-attention layer and KV head.
+        budget: KV entries kept per full-attention layer and KV head, or a memory budget in bytes such as
+            `"256MiB"` (units B, KB, MB, GB, KiB, MiB, GiB): the largest token budget whose cache for one sequence,
+            at the model's dtype now, fits in it (keys, values and each entry's bookkeeping; sliding layers' windows
+            included; `fxbudget.cache.byte_budget`). `model.forward.budget` is the token budget, `.budget_bytes`
+            the size (None for a token budget).
         chunk_size: split inputs longer than this into chunks, so prefill memory is bounded by budget + chunk_size.
         backend: "inductor" (default), "aot_eager" or "eager" (Dynamo backends, same semantics), or None to run the
             kernel eagerly without torch.compile (the reference path).
@@ -116,8 +137,9 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
         no SDPA attention fed by the cache, that call and every later one raise `NoBudgetAttentionError` (never a
         silent run of the unmodified model); `model.forward.restore()` undoes the wrapping.
     """
-    _validate(model, budget, backend, chunk_size, cudagraphs)
     rule_obj = get(rule, **rule_params)
+    budget, budget_bytes = _token_budget(model, budget, rule_obj, head_pool)
+    _validate(model, budget, backend, chunk_size, cudagraphs)
     resolve_head_pool(rule_obj, head_pool)
     if getattr(model, "config", None) is not None:
         check_rule_budget(rule_obj, budget, model.config)
@@ -137,6 +159,8 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int = 1024, *
         raise ValueError(f"rule {rule_obj.name!r} needs each attention layer's output projection (W_o), and fxbudget "
                          "cannot find it in this model (attention modules with a layer_idx and a linear o_proj)")
     spec = MeasureSpec(form=measure, signals=run_signals([rule_obj], signals))  # raises in one line
-    return BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend, headroom=headroom,
-                         block=block, cudagraphs=cudagraphs, head_pool=head_pool, interval=interval,
-                         measure=spec, progress=progress).install()
+    forward = BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend, headroom=headroom,
+                            block=block, cudagraphs=cudagraphs, head_pool=head_pool, interval=interval,
+                            measure=spec, progress=progress)
+    forward.budget_bytes = budget_bytes
+    return forward.install()

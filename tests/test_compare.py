@@ -290,7 +290,7 @@ def test_bad_arguments_fail_clearly(tiny_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["compare", "--shard", "2/2"])
     capsys.readouterr()
-    fails(["compare", "--model", tiny_dir, "--budgets", "128,12.5%", "--out", str(tmp_path)], "mix absolute")
+    fails(["compare", "--model", tiny_dir, "--budgets", "128,12.5%", "--out", str(tmp_path)], "mix tokens and percent")
     for bad in ("0%", "150%", "x%", "12.5"):
         with pytest.raises(SystemExit):
             main(["compare", "--model", tiny_dir, "--budgets", bad, "--out", str(tmp_path)])

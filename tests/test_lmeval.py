@@ -159,7 +159,8 @@ def test_hf_oracle_scores_one(setup):
 
 @pytest.mark.parametrize("args", ["rule=snapkv,budget=512,protocol=query-aware",
                                   "rule=h2o,budget=100%,protocol=query-aware,chunk_size=5",
-                                  "rule=knorm,budget=512,protocol=streaming"])
+                                  "rule=knorm,budget=512,protocol=streaming",
+                                  "rule=snapkv,budget=1MiB,protocol=query-aware"])
 def test_covering_budget_equals_hf(setup, args):
     model_dir, tm, hf = setup
     fx = _fx(model_dir, [GEN, MC, ROLL], tm, args)
@@ -187,6 +188,19 @@ def test_small_budget_changes_every_output_type(setup):
                             rel_tol=1e-3)
     info = fx["config"]["fxbudget"]
     assert info["budget"] == 6 and info["rule_params"]["window"] == 2 and info["observation_window"] == 2
+
+
+def test_a_byte_budget_runs_as_the_tokens_it_buys(setup):
+    """3900 B on this model (2 layers, 2 KV heads, head_dim 16, float32): 144 B of per-head totals, then 624 B per
+    entry per layer and KV head (K, V and bookkeeping: `cache.byte_budget`), so 6 entries: budget=6's results."""
+    model_dir, tm, _ = setup
+    args = "rule=snapkv,protocol=query-aware,window=2,kernel=3"
+    by_bytes, by_tokens = (_fx(model_dir, [GEN, MC], tm, f"{args},budget={b}") for b in ("3900B", 6))
+    assert _resps(by_bytes, GEN) == _resps(by_tokens, GEN)
+    assert _loglikelihoods(by_bytes) == _loglikelihoods(by_tokens)
+    info = by_bytes["config"]["fxbudget"]
+    assert (info["budget"], info["budget_bytes"], info["budget_tokens"]) == ("3900B", 3900, 6)
+    assert info["budget_kind"].startswith("bytes") and info["budgets_used"] == [6]
 
 
 def test_batch_size_does_not_change_results(setup):

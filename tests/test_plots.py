@@ -39,7 +39,7 @@ def _data_x(ax) -> list[float]:
 
 @pytest.mark.parametrize("metric", ["accuracy", "likelihood"])
 def test_one_budget_points_sit_inside_the_panel(metric):
-    fig = P.metric_figure(_rows(2), metric, relative=False)
+    fig = P.metric_figure(_rows(2), metric, kind="tokens")
     ax = fig.axes[0]
     lo, hi = ax.get_xlim()
     xs = _data_x(ax)
@@ -49,24 +49,24 @@ def test_one_budget_points_sit_inside_the_panel(metric):
 
 
 def test_several_budgets_keep_a_margin_too():
-    ax = P.metric_figure(_rows(2, budgets=(8, 32, 128)), "accuracy", relative=False).axes[0]
+    ax = P.metric_figure(_rows(2, budgets=(8, 32, 128)), "accuracy", kind="tokens").axes[0]
     lo, hi = ax.get_xlim()
     assert lo < min(_data_x(ax)) and max(_data_x(ax)) < hi
     assert [t.get_text() for t in ax.get_xticklabels()] == ["8", "32", "128"]
 
 
 def test_unbounded_likelihood_intervals_are_noted_not_dropped_silently():
-    few = P.metric_figure(_rows(2), "likelihood", relative=False).axes[0]
+    few = P.metric_figure(_rows(2), "likelihood", kind="tokens").axes[0]
     assert "no bar: n=2: too few samples for an interval" in few.get_title()
-    many = P.metric_figure(_rows(8), "likelihood", relative=False).axes[0]  # 8 paired samples: bounded
+    many = P.metric_figure(_rows(8), "likelihood", kind="tokens").axes[0]  # 8 paired samples: bounded
     assert P.UNBOUNDED_NOTE not in many.get_title()
-    assert P.UNBOUNDED_NOTE not in P.metric_figure(_rows(2), "accuracy", relative=False).axes[0].get_title()
+    assert P.UNBOUNDED_NOTE not in P.metric_figure(_rows(2), "accuracy", kind="tokens").axes[0].get_title()
 
 
 def test_every_title_names_the_protocol():
     rows = _rows(2, protocol="query-aware") + _rows(2, protocol="query-agnostic")
     for metric in ("accuracy", "likelihood"):
-        fig = P.metric_figure(rows, metric, relative=False)
+        fig = P.metric_figure(rows, metric, kind="tokens")
         titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
         assert len(titles) == 2 and any("query-aware" in t for t in titles) and \
             any("query-agnostic" in t for t in titles)

@@ -137,7 +137,8 @@ def _compare(args) -> int:
         headroom = cache_shapes(grid, plan, tok, samples, args.max_new_tokens)[0]
     except ValueError as e:
         raise UsageError(str(e)) from None
-    for line in sizes.budget_warnings(grid, sized, config, place.dtype, headroom, args.max_new_tokens):
+    byte_budgets = sizes.byte_tokens(grid, config, place.dtype, source.name)
+    for line in sizes.budget_warnings(grid, sized, config, place.dtype, headroom, args.max_new_tokens, byte_budgets):
         print(f"[fxbudget] {line}", file=sys.stderr)
     timing = _Timing(grid, plan, samples, sized, config, args, source, place)
     line = sizes.estimate_line(grid, plan, samples, sized, config, place.device, args.max_new_tokens,

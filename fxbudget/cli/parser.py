@@ -29,20 +29,21 @@ def _lengths(text: str) -> list[int]:
 
 
 def _budgets(text: str) -> list[int | str]:
-    """`128,256` (KV entries) or `12.5%,25%` (fractions of each sample's context)."""
-    from ..harness.grid import budget_fraction
+    """`128,256` (KV entries), `256MiB,1GiB` (bytes of KV cache per sequence) or `12.5%,25%` (fractions of each
+    sample's context)."""
+    from ..harness.grid import budget_kind
 
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
-        spec = item if item.endswith("%") else None
+        spec = item if item.endswith(("%", "B")) else None
         if spec is None:
             try:
                 spec = int(item)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"a budget is an int or a percentage such as 12.5%, got {item!r}") \
-                    from None
+                raise argparse.ArgumentTypeError(f"a budget is an int, a size such as 256MiB or a percentage such as "
+                                                 f"12.5%, got {item!r}") from None
         try:
-            budget_fraction(spec)
+            budget_kind(spec)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
         out.append(spec)
@@ -179,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "noprotect:<rule>, protectonly:<rule> and random; the report says where each one's gain "
                         "comes from")
     c.add_argument("--budgets", type=_budgets, default=_joined(d.budgets), help="KV entries per layer and KV head "
-                   "(128), or percentages of each sample's context tokens (12.5%%); one kind per run")
+                   "(128), bytes of KV cache per sequence (256MiB: the most entries that fit, at the run's dtype), "
+                   "or percentages of each sample's context tokens (12.5%%); one kind per run")
     c.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size (default: one call)")
     c.add_argument("--backend", default="none", choices=["none", "inductor", "aot_eager", "eager"],
                    help="'none' runs fxbudget's kernel eagerly; 'inductor' compiles it (slow first compiles on CPU)")

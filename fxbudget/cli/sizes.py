@@ -132,17 +132,41 @@ def kv_bytes(config, dtype: str, slots: int, *, budgeted: bool) -> int:
     return total
 
 
+def byte_tokens(grid, config, dtype: str, model: str) -> dict[str, int]:
+    """Each byte budget of the grid as tokens for this model at `dtype` (`cache.byte_budget`), before the model loads;
+    {} when there is none, or no config to size them from (the run sizes them from the loaded model).
+
+    Raises:
+        UsageError: a byte budget below one entry per layer and KV head (it says the smallest that works), or a
+            model with no layer a budget limits.
+    """
+    specs = [b for b in grid.budgets if isinstance(b, str) and b.endswith("B")]
+    if not specs or config is None:
+        return {}
+    import torch
+
+    from ..cache.byte_budget import tokens_for_bytes
+
+    try:
+        return {s: tokens_for_bytes(s, config, dtype=getattr(torch, dtype), head_pool=grid.layout() == "head-pool")
+                for s in specs}
+    except ValueError as e:
+        raise UsageError(f"--budgets: {model}: {e}") from None
+
+
 def budget_warnings(grid, sized: list[tuple], config, dtype: str, headroom: int,
-                    max_new_tokens: int | None) -> list[str]:
+                    max_new_tokens: int | None, byte_budgets: dict | None = None) -> list[str]:
     """One line per budget that is at or above a sample's context: nothing is evicted (every rule is the unmodified
-    model), and what its cache allocates against the unmodified model's."""
-    from ..harness.grid import budget_fraction, resolve_budget
+    model), and what its cache allocates against the unmodified model's. `byte_budgets`: `byte_tokens`'."""
+    from ..harness.grid import budget_kind, resolve_budget
 
     lines = []
     for spec in grid.budgets:
+        if budget_kind(spec) == "bytes" and spec not in (byte_budgets or {}):
+            continue  # not sized before the model loads (no config)
         worst = None  # the sample whose context the budget exceeds most
         for key, sample, ctx, question, _ in sized:
-            budget = resolve_budget(spec, ctx)
+            budget = resolve_budget(spec, ctx, byte_budgets)
             if budget >= ctx and (worst is None or budget - ctx > worst[0] - worst[1]):
                 worst = (budget, ctx, question + (max_new_tokens or sample.max_new_tokens), _name(key, sample))
         if worst is None:
@@ -157,7 +181,7 @@ def budget_warnings(grid, sized: list[tuple], config, dtype: str, headroom: int,
                         f"KV head) against the unmodified model's {_size(theirs)}")
             except Exception:  # noqa: BLE001  (an architecture the size formula does not know: no cost said)
                 cost = ""
-        what = f"--budgets {spec}" + (f" (= {budget} entries)" if budget_fraction(spec) is not None else "")
+        what = f"--budgets {spec}" + (f" (= {budget} entries)" if budget_kind(spec) != "tokens" else "")
         lines.append(f"warning: {what} is at or above the context ({context} tokens, {name}): nothing is evicted, "
                      f"so every rule is the unmodified model there{cost}; use a budget below the context")
     return lines

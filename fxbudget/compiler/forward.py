@@ -67,6 +67,7 @@ class BudgetForward:
         """Build the forward of `model` (not yet installed: see `install`); the compiled graphs live here, so a
         forward installed, restored and installed again keeps them."""
         self.model, self.rule, self.budget, self.block = model, rule, budget, block
+        self.budget_bytes = None  # the size a byte budget asked for (`fxbudget.compile`); `budget` is its tokens
         self.measure = measure  # the measure phase's form (`kernel.settings.measure_form`)
         self.head_pool = resolve_head_pool(rule, head_pool)  # the cache layout of every cache this forward uses
         self.chunk_size, self.backend, self.headroom, self.cudagraphs = chunk_size, backend, headroom, cudagraphs

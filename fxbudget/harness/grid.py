@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
+from ..byte_size import byte_size
 from .tasks import SHARED_TASKS, TASKS, load_jsonl
 
 PROTOCOLS = ("query-agnostic", "query-aware", "streaming", "multi-request", "multi-turn")
@@ -32,12 +33,25 @@ def allocation(rule) -> str:
     return "adakv" if rule.head_adaptive else "uniform"
 
 
+BUDGET_KINDS = ("tokens", "bytes", "percent")  # how a budget is written: 128, "256MiB", "12.5%" (one kind per run)
+
+
+def budget_kind(spec: int | str) -> str:
+    """Which of `BUDGET_KINDS` `spec` is. Raises `ValueError` (as `budget_fraction`) on anything else."""
+    if byte_size(spec) is not None:
+        return "bytes"
+    return "tokens" if budget_fraction(spec) is None else "percent"
+
+
 def budget_fraction(spec: int | str) -> float | None:
-    """The fraction of a relative budget (`"12.5%"` -> 0.125), None for an absolute one (a positive int).
+    """The fraction of a relative budget (`"12.5%"` -> 0.125), None for an absolute one (a positive int, or a size
+    in bytes such as "256MiB": `byte_size`).
 
     Raises:
         ValueError: anything else, or a percentage outside (0, 100].
     """
+    if byte_size(spec) is not None:  # raises on a malformed size
+        return None
     if isinstance(spec, int) and not isinstance(spec, bool):
         if spec < 1:
             raise ValueError(f"an absolute budget must be a positive int, got {spec}")
@@ -49,13 +63,19 @@ def budget_fraction(spec: int | str) -> float | None:
             pct = None
         if pct is not None and 0 < pct <= 100:
             return float(pct / 100)
-    raise ValueError(f"a budget is a positive int (KV entries) or a percentage in (0, 100] such as '12.5%', "
-                     f"got {spec!r}")
+    raise ValueError(f"a budget is a positive int (KV entries), a size in bytes such as '256MiB' or a percentage "
+                     f"in (0, 100] such as '12.5%', got {spec!r}")
 
 
-def resolve_budget(spec: int | str, context_tokens: int) -> int:
-    """The absolute budget of `spec` for a sample whose context has `context_tokens` tokens (floor, at least 1)."""
-    if budget_fraction(spec) is None:
+def resolve_budget(spec: int | str, context_tokens: int, byte_tokens: dict | None = None) -> int:
+    """The absolute budget of `spec` for a sample whose context has `context_tokens` tokens (floor, at least 1); a
+    byte budget's tokens come from `byte_tokens` (spec -> tokens for the run's model: `cache.byte_budget`)."""
+    kind = budget_kind(spec)
+    if kind == "bytes":
+        if byte_tokens is None or spec not in byte_tokens:
+            raise ValueError(f"budget {spec}: a byte budget needs the model's entry size (byte_tokens)")
+        return byte_tokens[spec]
+    if kind == "tokens":
         return spec
     return max(1, math.floor(Fraction(spec[:-1]) / 100 * context_tokens))
 
@@ -136,13 +156,14 @@ class Grid:
             raise ValueError(f"lengths must be positive ints, got {self.lengths!r}")
         if not self.budgets:
             raise ValueError("budgets must not be empty")
-        kinds = {budget_fraction(b) is None for b in self.budgets}  # raises on a malformed budget
+        kinds = {budget_kind(b) for b in self.budgets}  # raises on a malformed budget
         for r in self.rules:  # e.g. AdaKV: an absolute budget below the tokens its rule protects in every head
-            if r != REFERENCE and kinds == {True}:
+            if r != REFERENCE and kinds == {"tokens"}:
                 get(r, **self.rule_params.get(r, {})).check_budget(list(self.budgets))
         if len(kinds) > 1:
-            raise ValueError(f"budgets {self.budgets} mix absolute (KV entries) and relative (% of the context) "
-                             "budgets: use one kind per run (`fxbudget report` merges runs)")
+            raise ValueError(f"budgets {self.budgets} mix {' and '.join(k for k in BUDGET_KINDS if k in kinds)} "
+                             "(KV entries, bytes of cache, % of the context): use one kind per run (`fxbudget "
+                             "report` merges runs)")
         if self.samples < 1 or (self.task_file_samples is not None and self.task_file_samples < 1):
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if self.backend is not None and self.backend not in INNER_BACKENDS:

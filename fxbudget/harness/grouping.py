@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import defaultdict
 from statistics import mean
 
+from ..byte_size import UNITS, size_label
+from .grid import BUDGET_KINDS
 from .runner import PROTOCOLS, REFERENCE
 
 METRICS = {"accuracy": "score", "likelihood": "answer_logprob_mean"}  # --sort name -> row field (higher = better)
@@ -13,21 +15,38 @@ PROTOCOL_ORDER = {p: i for i, p in enumerate(PROTOCOLS)}
 
 
 def budget_label(row: dict) -> int | str | None:
-    """What a report groups budgets by: the absolute budget, or the fraction of the context ("12.5%") for a
-    relative budget (its absolute value varies with each sample's context); None for the reference row."""
+    """What a report groups budgets by: the absolute budget, the size of a byte budget ("1 MiB": its tokens are the
+    row's `budget`, which depends on the model and dtype), or the fraction of the context ("12.5%") for a relative
+    budget (its absolute value varies with each sample's context); None for the reference row."""
     if row.get("budget") is None:
         return None
+    if row.get("budget_bytes") is not None:
+        return size_label(row["budget_bytes"])
     f = row.get("budget_fraction")
     return f"{f * 100:g}%" if f is not None else row["budget"]
 
 
+def label_kind(label) -> str:
+    """The `grid.BUDGET_KINDS` kind of a budget label."""
+    return "tokens" if isinstance(label, int) else "percent" if label.endswith("%") else "bytes"
+
+
+def label_value(label) -> float:
+    """A budget label as a number: entries, bytes or percent."""
+    kind = label_kind(label)
+    if kind == "bytes":
+        number, unit = label.split()
+        return float(number) * UNITS[unit]
+    return float(label) if kind == "tokens" else float(label[:-1])
+
+
 def budget_order(label) -> tuple:
-    """Sort key of a budget label: absolute budgets first, then fractions, each increasing."""
-    return (isinstance(label, str), float(label[:-1]) if isinstance(label, str) else label)
+    """Sort key of a budget label: absolute budgets first, then byte budgets, then fractions, each increasing."""
+    return BUDGET_KINDS.index(label_kind(label)), label_value(label)
 
 
 def budgets(rows) -> list:
-    """The budget labels of `rows`, absolute ones first, each kind in increasing order."""
+    """The budget labels of `rows` in `budget_order`."""
     return sorted({budget_label(r) for r in rows} - {None}, key=budget_order)
 
 

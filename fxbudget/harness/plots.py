@@ -11,20 +11,26 @@ import math
 from pathlib import Path
 from statistics import mean
 
-from .grouping import (budget_label, budgets, logprob_delta, metric_values, reference_logprobs, rule_order, setting,
-                       settings)
+from .grid import BUDGET_KINDS
+from .grouping import (budget_label, budgets, label_kind, label_value, logprob_delta, metric_values, reference_logprobs,
+                       rule_order, setting, settings)
 from .runner import REFERENCE
 from .stats import mean_interval, no_interval_reason
 from .tasks import NEEDLE_TASKS
 
 UNBOUNDED_NOTE = "no bar"  # a panel's title then says why: `unbounded_note`
 X_MARGIN = 2 ** 0.5  # half a doubling of budget on each side: a lone budget sits mid-panel, not on its edge
+# Each budget kind's figure (merged runs of several kinds: the first kind's has no suffix) and its x axis.
+SUFFIX = {"tokens": "", "bytes": "_bytes", "percent": "_relative"}
+XLABEL = {"tokens": "budget (KV entries per layer and head)", "bytes": "budget (bytes of KV cache per sequence)",
+          "percent": "budget (% of the context tokens)"}
 
 
 def plot(rows: list[dict], out_dir: Path, sort: str = "accuracy") -> list[str]:
     """`accuracy_vs_budget.png`, `likelihood_vs_budget.png` (when rows have the metric; a panel per setting and
-    task, all tasks pooled first) and, for needle tasks, `heatmap_<rule>.png`. Absolute and relative budgets (merged
-    runs) get separate figures, the relative ones with the suffix `_relative`. Returns the file names written."""
+    task, all tasks pooled first) and, for needle tasks, `heatmap_<rule>.png`. Token, byte and relative budgets
+    (merged runs) get separate figures, each after the first kind with its `SUFFIX` (`_bytes`, `_relative`).
+    Returns the file names written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -32,14 +38,14 @@ def plot(rows: list[dict], out_dir: Path, sort: str = "accuracy") -> list[str]:
     budgeted = [r for r in rows if r["budget"] is not None]
     if not budgeted:
         return written
-    kinds = sorted({r.get("budget_fraction") is not None for r in budgeted})
-    for relative in kinds:
-        rs = [r for r in rows if r["budget"] is None or (r.get("budget_fraction") is not None) == relative]
-        suffix = "_relative" if relative and len(kinds) > 1 else ""
+    kinds = [k for k in BUDGET_KINDS if any(label_kind(budget_label(r)) == k for r in budgeted)]
+    for kind in kinds:
+        rs = [r for r in rows if r["budget"] is None or label_kind(budget_label(r)) == kind]
+        suffix = SUFFIX[kind] if kind != kinds[0] else ""
         metrics = ["accuracy"] + (["likelihood"] if metric_values(rs, "likelihood") else [])
         for metric in metrics:
             name = f"{metric}_vs_budget{suffix}.png"
-            written.append(_save(metric_figure(rs, metric, relative, sort), out_dir / name))
+            written.append(_save(metric_figure(rs, metric, kind, sort), out_dir / name))
     needle = needle_rows(budgeted)
     shape = needle_shape(needle)
     if shape != "none":
@@ -100,10 +106,10 @@ def _save(fig, path: Path) -> str:
 
 
 def _x(label) -> float:
-    return float(label[:-1]) if isinstance(label, str) else float(label)
+    return label_value(label)
 
 
-def metric_figure(rows, metric: str, relative: bool, sort: str = "accuracy"):
+def metric_figure(rows, metric: str, kind: str = "tokens", sort: str = "accuracy"):
     """Mean and 95% interval of `metric` ("accuracy" or "likelihood") per rule against the budget; rows of panels =
     settings, columns = all tasks pooled (when there are several: the most samples, so the tightest intervals) then
     each task. A panel whose intervals are unbounded says so in its title instead of drawing no bar silently.
@@ -161,7 +167,7 @@ def metric_figure(rows, metric: str, relative: bool, sort: str = "accuracy"):
                 ax.set_xticks([_x(b) for b in labels], [str(b) for b in labels])
             ax.minorticks_off()
             ax.set_title(f"{task} — {s}" + (f"\n{unbounded_note(unbounded)}" if unbounded else ""), fontsize=9)
-            ax.set_xlabel("budget (% of the context tokens)" if relative else "budget (KV entries per layer and head)")
+            ax.set_xlabel(XLABEL[kind])
             if metric == "accuracy":
                 ax.set_ylabel("accuracy (95% interval)")
                 ax.set_ylim(-0.05, 1.05)

@@ -14,7 +14,7 @@ from ..models.embedded import by_name
 from ..models.source import RANDOM
 from .answers import answers_tables
 from .decomposition import decomposed_rules, decomposition_section
-from .grouping import (METRICS, budget_label, budgets, by, logprob_delta, mean_or_none, metric_values,
+from .grouping import (METRICS, budget_label, budget_order, budgets, by, logprob_delta, mean_or_none, metric_values,
                        reference_logprobs, rule_order, sample_id, setting, settings, unequal_samples)
 from .lead import lead_paragraph
 from .protocol_note import header_note, section_note
@@ -191,6 +191,9 @@ def _header(rows: list[dict], sort: str) -> list[str]:
              signal_set_line(sets),
              f"- kernel query block: {', '.join(blocks) if blocks else '-'}",
              _allocation_line([r for r in rows if r["rule"] != REFERENCE])]
+    sized = byte_budget_line(rows)
+    if sized:
+        parts.append(sized)
     random = [m for m in models if m.startswith(RANDOM)]
     if random:
         parts.append(f"- **seeded random weights** ({', '.join(f'`{m}`' for m in random)}): such a model answers "
@@ -205,6 +208,22 @@ def _header(rows: list[dict], sort: str) -> list[str]:
     intervals = [r.get("decode_interval") or 1 for r in rows if r["protocol"] == "streaming"]
     return parts + [f"- {header_note(protocols, intervals)}", f"- rules are ordered by {sort}; statistical terms: the "
                     "glossary at the end."]
+
+
+def byte_budget_line(rows) -> str | None:
+    """What each byte budget bought: its entries per layer and KV head, by model and dtype (`cache.byte_budget`: the
+    most whose cache, keys, values and each entry's bookkeeping for one sequence, fits). None without byte budgets."""
+    bought = defaultdict(set)
+    for r in rows:
+        if r.get("budget_bytes") is not None:
+            bought[(budget_label(r), r["model"], r.get("dtype"))].add(r["budget"])
+    if not bought:
+        return None
+    cells = [f"{label} = {'/'.join(map(str, sorted(t)))} entries ({model}, {dtype})"
+             for (label, model, dtype), t in sorted(bought.items(), key=lambda kv: (budget_order(kv[0][0]), kv[0][1:]))]
+    return ("- byte budgets, as entries per full-attention layer and KV head (the most whose cache for one "
+            "sequence fits: keys, values and each entry's position, carried attention and signals): "
+            + "; ".join(cells))
 
 
 def signal_sets(rows) -> list[str]:

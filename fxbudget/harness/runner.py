@@ -43,6 +43,7 @@ from torch import nn
 from ..api import BudgetForward, frozen_runner, kernel_fingerprint
 from ..api import compile as fx_compile
 from ..compiler.backend import kernel_window
+from ..cache.byte_budget import tokens_for_bytes
 from ..cache.keyword import output_cache
 from ..fairness.fingerprint_store import cached_kernel_fingerprint
 from ..kernel.settings import signals_label
@@ -52,7 +53,9 @@ from . import interrupt, results
 from .branch import branch, shared_prefill
 # The grid lives in `grid` (no torch import: the CLI checks it before loading anything); re-exported here, where
 # callers have always found it.
-from .grid import (MULTI_PROTOCOLS, PROTOCOLS, REFERENCE, Grid, Unit, allocation, budget_fraction, config_keys,
+from ..byte_size import byte_size
+from .grid import (MULTI_PROTOCOLS, PROTOCOLS, REFERENCE, Grid, Unit, allocation, budget_fraction, budget_kind,
+                   config_keys,
                    configs, plan_rows, resolve_budget, row_key, turns, units)
 from .likelihood import answer_logprobs, finish_prompt, frozen_tokens
 from .measure import Clock, Peak, environment, eos_ids, greedy, kv_bytes
@@ -141,6 +144,13 @@ def _turn_calls(tokenizer, sample, protocol: str, max_new_tokens: int | None):
     return [(t, t.prompt.shape[1] + (p if protocol == "multi-turn" else 0)) for t, p in zip(ts, previous)]
 
 
+def _spec_fields(spec) -> dict:
+    """A row's record of how its budget was written: the fraction of a relative one, the bytes of a byte budget (its
+    tokens are the row's `budget`); None for the reference row."""
+    return {"budget_fraction": None if spec is None else budget_fraction(spec),
+            "budget_bytes": None if spec is None else byte_size(spec)}
+
+
 class Runner:
     """Runs a `Grid` on one model and appends rows to `out_dir/results*.jsonl` (resumable, shardable).
 
@@ -166,6 +176,7 @@ class Runner:
         self.signals_label = signals_label(self.signals)
         self.eos = eos_ids(model, tokenizer) if model is not None else set()
         self._fingerprints: dict[str, str] = {}
+        self._byte_tokens: dict[str, int] = {}  # byte budget -> its tokens for this model (`_tokens`)
         self.fingerprint_cached: dict[str, bool] = {}  # rule -> read from disk, not traced (`fairness.fingerprint_store`)
         self._samples: dict = dict(samples or {})  # from build_samples, or built as the units run
         self._forwards: dict[tuple, BudgetForward] = {}  # (rule, params, budget) -> forward, reused across samples
@@ -279,12 +290,21 @@ class Runner:
             # says its layout; the forward's measure phase (its form and the run's signal set)
         return self._frozen[key]
 
+    def _tokens(self, spec, context_tokens: int) -> int:
+        """The token budget of `spec` for a context of `context_tokens`: a byte budget's from the model's entry size
+        at its dtype and the run's layout (`cache.byte_budget`), the same for every sample."""
+        if budget_kind(spec) == "bytes" and spec not in self._byte_tokens:
+            self._byte_tokens[spec] = tokens_for_bytes(spec, self.model.config,
+                                                       dtype=next(self.model.parameters()).dtype,
+                                                       head_pool=self.layout == "head-pool")
+        return resolve_budget(spec, context_tokens, self._byte_tokens)
+
     def _fingerprint(self, rule) -> str:
         """The kernel fingerprint of the rewritten graph (rule ops masked out): one per rule per run."""
         if rule.name not in self._fingerprints:
             interrupt.checkpoint("fingerprint")
             # Sizes are not part of the fingerprint: any budget gives the same one (relative budgets: 1024).
-            budget = max((b for b in self.grid.budgets if budget_fraction(b) is None), default=1024)
+            budget = max((b for b in self.grid.budgets if budget_kind(b) == "tokens"), default=1024)
             with Clock() as clock:  # inspect's probe, traced once per model, rule, code and versions (on disk)
                 self._fingerprints[rule.name], self.fingerprint_cached[rule.name] = cached_kernel_fingerprint(
                     self.model, rule, budget=budget, compute=kernel_fingerprint, signals=self.signals, **self._pool)
@@ -330,14 +350,14 @@ class Runner:
                     reference = reference or self._reference(ctx, question, answer, max_new)
                     row = dict(reference)
                 else:
-                    row = self._budgeted(protocol, rule_name, resolve_budget(spec, ctx.shape[1]), prefill_ids,
+                    row = self._budgeted(protocol, rule_name, self._tokens(spec, ctx.shape[1]), prefill_ids,
                                          question, answer, max_new, shared, shared_s)
                 row["shared_prefill_peak_mem_bytes"] = shared_peak if row["shared_prefill"] else None
                 prediction = self.tok.decode(row.pop("output_ids"), skip_special_tokens=True).strip()
                 # max_new_tokens: the cap the answer ran under (an answer at it was cut, not finished: the report's
                 # output-length comparison counts those)
-                row.update(base, protocol=protocol, budget_fraction=None if spec is None else budget_fraction(spec),
-                           max_new_tokens=max_new, decode_interval=g.interval if protocol == "streaming" else None,
+                row.update(base, protocol=protocol, **_spec_fields(spec), max_new_tokens=max_new,
+                           decode_interval=g.interval if protocol == "streaming" else None,
                            prediction=prediction, score=score(sample, prediction),
                            key=row_key(self.model_name, g, unit, protocol, rule_name, spec))
                 yield row
@@ -468,7 +488,7 @@ class Runner:
             results = run(model, cache, turns, eos=self.eos, likelihood=g.likelihood)
             restore = None
         else:
-            budget = resolve_budget(spec, ctx.shape[1])
+            budget = self._tokens(spec, ctx.shape[1])
             rule = self._rule(rule_name)
             fingerprint = self._fingerprint(rule)
             forward = self._forward(rule, budget)
@@ -522,7 +542,7 @@ class Runner:
                            prompt_tokens=tokens, question_tokens=res.appended_tokens,
                            answer_tokens=turn.answer.shape[1] if g.likelihood else None, answers=r.answers,
                            depth=r.depth, max_new_tokens=turn.max_new,
-                           budget_fraction=None if spec is None else budget_fraction(spec), prediction=prediction,
+                           **_spec_fields(spec), prediction=prediction,
                            score=score(r, prediction),
                            key=row_key(self.model_name, g, unit, protocol, rule_name, spec, turn=res.turn))
                 yield row

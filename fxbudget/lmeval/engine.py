@@ -24,7 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from ..api import compile as fx_compile
+from ..cache.byte_budget import tokens_for_bytes
+from ..cache.for_model import resolve_head_pool
 from ..harness.likelihood import scratch
+from ..harness.grid import budget_kind
 from ..harness.runner import resolve_budget
 from .options import Options
 
@@ -50,10 +53,15 @@ class Budgeted:
         self.device = next(model.parameters()).device
         self._forwards: dict = {}
         self.budgets_used: set[int] = set()  # the absolute budgets run (one per distinct prefill length if relative)
+        # A byte budget's tokens for this model, its dtype and the rule's layout (`cache.byte_budget`).
+        spec = opts.budget
+        self.byte_tokens = {spec: tokens_for_bytes(spec, model.config, dtype=next(model.parameters()).dtype,
+                                                   head_pool=resolve_head_pool(opts.rule, None))} \
+            if budget_kind(spec) == "bytes" else {}
 
     def budget_for(self, prefill_tokens: int) -> int:
         """The absolute budget for a request that prefills `prefill_tokens` tokens with eviction."""
-        return resolve_budget(self.opts.budget, prefill_tokens)
+        return resolve_budget(self.opts.budget, prefill_tokens, self.byte_tokens)
 
     def headroom(self, frozen_tokens: int) -> int:
         """Head-room slots for `frozen_tokens` appended with eviction frozen; compiled, rounded up to 64 so that a

@@ -39,13 +39,17 @@ from ..api import kernel_fingerprint
 from ..fairness.fingerprint_store import cached_kernel_fingerprint
 from ..kernel.settings import signals_label
 from ..kernel.signal_set import run_signals
-from ..harness.runner import budget_fraction
+from ..byte_size import byte_size
+from ..harness.grid import budget_kind
 from ..harness.tasks.ruler import find_question
 from . import loading
 from .engine import Budgeted
 from .options import RULER_MARKER, parse
 
 # Stands in for the last user turn's content to find where it starts in the rendered template.
+# `conditions()`' words for each budget kind (`harness.grid.BUDGET_KINDS`).
+BUDGET_WORDS = {"tokens": "absolute", "bytes": "bytes of KV cache per sequence (budget_tokens: the entries they buy)",
+                "percent": "fraction of each request's prefill"}
 _SENTINEL = "\u2063fxbudget:question\u2063"
 NO_MARK = ("protocol=query-agnostic appends the question after compression, and lm-eval marks no question: run with "
            "--apply_chat_template (the last user turn is the question; not with --cache_requests, which skips "
@@ -287,19 +291,21 @@ class FxBudgetLM(HFLM):
         o, model = self.opts, self.model
         p = next(model.parameters())
         n_full = list(getattr(model.config, "layer_types", None) or ["full_attention"]).count("full_attention")
-        absolute = budget_fraction(o.budget) is None
-        schedule = o.rule.layer_budgets(o.budget if absolute else 1024, max(n_full, 1))
+        kind = budget_kind(o.budget)
+        tokens = self.engine.byte_tokens[o.budget] if kind == "bytes" else o.budget if kind == "tokens" else 1024
+        schedule = o.rule.layer_budgets(tokens, max(n_full, 1))
         if self._fingerprint is None:  # once, on the unmodified model (every forward is restored by now)
             try:  # compare's value on its probe, read from the on-disk cache when traced before
                 self._fingerprint, self._fingerprint_cached = cached_kernel_fingerprint(
-                    model, o.rule, budget=o.budget if absolute else 1024, compute=kernel_fingerprint,
+                    model, o.rule, budget=tokens, compute=kernel_fingerprint,
                     signals=run_signals([o.rule]))  # the kernel `fx_compile` runs: what the rule reads
             except Exception as e:  # noqa: BLE001  (called after the evaluation: record why, do not lose its results)
                 self._fingerprint = f"unavailable: {type(e).__name__}: {e}"
                 warnings.warn(f"fxbudget: kernel fingerprint {self._fingerprint}", stacklevel=2)
         return {
             "model": self.pretrained, "rule": o.rule.name, "rule_params": o.rule.params(),
-            "budget": o.budget, "budget_kind": "absolute" if absolute else "fraction of each request's prefill",
+            "budget": o.budget, "budget_kind": BUDGET_WORDS[kind],
+            "budget_bytes": byte_size(o.budget), "budget_tokens": tokens if kind != "percent" else None,
             "budgets_used": sorted(self.engine.budgets_used), "protocol": o.protocol,
             "allocation": "uniform" if schedule is None else f"per-layer ({o.rule.name} schedule)",
             "observation_window": o.window, "chunk_size": o.chunk_size, "rolling_call_tokens": o.rolling_call,

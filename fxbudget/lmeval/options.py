@@ -105,7 +105,8 @@ def parse(args: dict) -> Options:
                          "for the reference")
     if "budget" not in args:
         raise ModelArgsError("fxbudget model_args: budget= is required, e.g. budget=1024 (KV entries per layer and KV "
-                         "head) or budget=25% (of each request's prefilled tokens)")
+                         "head), budget=256MiB (bytes of KV cache per sequence) or budget=25% (of each request's "
+                         "prefilled tokens)")
     budget = args.pop("budget")
     try:
         budget_fraction(budget)
