@@ -20,6 +20,7 @@ from .compiler.forward import ATTN_IMPLEMENTATION, BudgetForward, frozen_runner 
 from .kernel import DEFAULT_BLOCK, check_block
 from .kernel.flex_measure import CPU_INDUCTOR
 from .kernel.settings import MeasureSpec, check_measure
+from .kernel.slot_storage import check_slot_dtype
 from .kernel.signal_set import run_signals
 from .cache.byte_budget import byte_size, tokens_for_bytes
 from .cache.rope import rope_refusal_for
@@ -57,7 +58,8 @@ def _validate(model: nn.Module, budget: int, backend: str | None, chunk_size: in
                       "the cache will never be full", stacklevel=3)
 
 
-def _token_budget(model: nn.Module, budget, rule: Rule, head_pool: bool | None) -> tuple[int, int | None]:
+def _token_budget(model: nn.Module, budget, rule: Rule, head_pool: bool | None,
+                  slot_dtype: str = "model") -> tuple[int, int | None]:
     """`budget` as tokens, and its bytes if it was a size (`cache.byte_budget`: the largest token budget whose cache,
     at the model's dtype and the run's layout, fits in them)."""
     size = byte_size(budget)  # raises on a malformed size
@@ -70,13 +72,15 @@ def _token_budget(model: nn.Module, budget, rule: Rule, head_pool: bool | None) 
         raise ValueError(f"budget={budget!r}: a byte budget needs a model with a .config (its layers, KV heads and "
                          "head size give the bytes of an entry); pass a token budget (an int)")
     dtype = next(model.parameters()).dtype
-    return tokens_for_bytes(budget, model.config, dtype=dtype, head_pool=resolve_head_pool(rule, head_pool)), size
+    return tokens_for_bytes(budget, model.config, dtype=dtype, head_pool=resolve_head_pool(rule, head_pool),
+                            slot_dtype=slot_dtype), size
 
 
 def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int | str = 1024, *, chunk_size: int | None = None,
             backend: str | None = "inductor", headroom: int = 0, block: int | None = DEFAULT_BLOCK,
             cudagraphs: bool = False, head_pool: bool | None = None, interval: int = 1, measure: str = "auto",
-            signals: str | Iterable[str] | None = None, progress: bool = True, **rule_params) -> nn.Module:
+            signals: str | Iterable[str] | None = None, progress: bool = True, slot_dtype: str | None = None,
+            **rule_params) -> nn.Module:
     """Run `model` with a KV cache of at most `budget` entries per layer and KV head, evicting with `rule`.
 
     The model is modified in place (its `forward` is wrapped) and returned; `model.forward.restore()` undoes it.
@@ -127,6 +131,10 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int | str = 1
             a layer grows by up to `interval - 1` entries beyond the budget (the slots are allocated up front) and
             the steps that do not evict skip the rule's scoring (they run the rule-independent frozen call); see
             `BudgetCache` and docs/DESIGN.md §3.
+        slot_dtype: how the cache stores keys and values (a kernel setting, like `measure`): None (default) in the
+            model's dtype; "float8_e4m3fn", "int8" or "int4" quantized per entry and KV head with a float32 scale
+            (`fxbudget.kernel.slot_storage`): the attention and the rule read the stored values, a call's own new
+            tokens are attended in the model's dtype, and a byte budget buys more entries.
         progress: print a line on stderr before and after a call of 512 tokens or more (a prefill: tens of seconds
             on a CPU) and, while decoding, one every 10 s (`fxbudget.compiler.progress`); False: silent.
         **rule_params: hyperparameters of a named rule, e.g. `window=64` for snapkv (for `"adakv:<rule>"`,
@@ -138,7 +146,8 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int | str = 1
         silent run of the unmodified model); `model.forward.restore()` undoes the wrapping.
     """
     rule_obj = get(rule, **rule_params)
-    budget, budget_bytes = _token_budget(model, budget, rule_obj, head_pool)
+    slot_dtype = check_slot_dtype(slot_dtype)
+    budget, budget_bytes = _token_budget(model, budget, rule_obj, head_pool, slot_dtype)
     _validate(model, budget, backend, chunk_size, cudagraphs)
     resolve_head_pool(rule_obj, head_pool)
     if getattr(model, "config", None) is not None:
@@ -161,6 +170,6 @@ def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int | str = 1
     spec = MeasureSpec(form=measure, signals=run_signals([rule_obj], signals))  # raises in one line
     forward = BudgetForward(model, rule_obj, budget, chunk_size=chunk_size, backend=backend, headroom=headroom,
                             block=block, cudagraphs=cudagraphs, head_pool=head_pool, interval=interval,
-                            measure=spec, progress=progress)
+                            measure=spec, progress=progress, slot_dtype=slot_dtype)
     forward.budget_bytes = budget_bytes
     return forward.install()

@@ -1,11 +1,14 @@
-"""Sizes in bytes as a budget is written (`"256MiB"`, `"1.5GB"`) and as reports label them; no torch import (the
-command line and the grid parse them before anything heavy loads). What a size buys is `cache.byte_budget`'s."""
+"""Sizes in bytes as a budget is written (`"256MiB"`, `"1.5GB"`) and as reports label them, and the slot storages
+the bytes may be spent in; no torch import (the command line and the grid parse them before anything heavy loads).
+What a size buys is `cache.byte_budget`'s; how each storage is laid out, `kernel.slot_storage`'s."""
 
 from __future__ import annotations
 
 import re
 from fractions import Fraction
 
+# How slots store keys and values: the model's dtype, or quantized with a float32 scale per entry and head.
+SLOT_DTYPES = ("model", "float8_e4m3fn", "int8", "int4")
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG]i?B|B)")
 

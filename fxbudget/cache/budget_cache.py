@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..checks import check_int
 from ..passes.eager import require_interceptor
 from ..kernel.signals import TOKEN_SIGNALS, out_projection_factors, unknown_wo
+from ..kernel.slot_storage import check_slot_dtype, slot_shape
 from ..kernel.state import SLOT_FIELDS, TOTALED, LayerConstants, LayerSlots, NewTokens, marker_tensors
 from ..models.architectures import layer_shapes
 from ..models.layer_config import layer_inv_freq, layer_windows, text_config
@@ -64,17 +65,21 @@ class BudgetLayer(CacheLayerMixin):
     def __init__(self, *, layer: int, budget: int, slots: int, sliding: int, batch_size: int, kv_heads: int,
                  head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device,
                  inv_freq: Tensor | None = None, call: CallPositions | None = None, pooled: bool = False,
-                 q_heads: int | None = None):
+                 q_heads: int | None = None, slot_dtype: str = "model"):
         super().__init__()
         self.call = call if call is not None else CallPositions()
         self.layer, self.budget, self.slots, self.sliding = layer, budget, slots, sliding
         self.pooled = bool(pooled) and not sliding  # sliding layers hold their window, not a budget: never pooled
         self.is_sliding = bool(sliding)
         self.batch_size, self.num_heads = batch_size, kv_heads
-        self.keys = torch.zeros(batch_size, kv_heads, slots, head_dim, dtype=dtype, device=device)
+        # Keys and values in the model's dtype, or quantized rows of codes and a scale (`kernel.slot_storage`).
+        self.slot_dtype, self.head_dim, self.v_head_dim = slot_dtype, head_dim, v_head_dim
+        storage, k_width = slot_shape(slot_dtype, head_dim)
+        v_width = slot_shape(slot_dtype, v_head_dim)[1]
+        self.keys = torch.zeros(batch_size, kv_heads, slots, k_width, dtype=storage or dtype, device=device)
         # The device as the tensors report it ("cuda" resolves to "cuda:0"): compared with a weight's or a call's.
         self.dtype, self.device = dtype, self.keys.device
-        self.values = torch.zeros(batch_size, kv_heads, slots, v_head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch_size, kv_heads, slots, v_width, dtype=storage or dtype, device=device)
         self.pos = torch.full((batch_size, kv_heads, slots), -1, dtype=torch.long, device=device)
         self.state = torch.zeros(batch_size, kv_heads, slots, dtype=torch.float32, device=device)
         # The per-token signals of each cached entry (`kernel.signals.TOKEN_SIGNALS`), measured once when it is written.
@@ -229,6 +234,10 @@ class BudgetCache(Cache):
             one pool the heads share, so a head-adaptive rule (`AdaKV`) can spread the layer's `kv_heads x budget`
             entries unevenly over the heads in the same memory (docs/DESIGN.md). A uniform rule runs on it too (its
             kept sets are the unpooled layout's). Sliding layers are never pooled.
+        slot_dtype: how slots store keys and values (`kernel.slot_storage.SLOT_DTYPES`): None or "model" in
+            `dtype`; "float8_e4m3fn", "int8" or "int4" quantized per entry and head with a float32 scale (a kernel
+            setting: the measure phase and the rule read the stored values; a call's new tokens are attended in
+            `dtype`). `kv_bytes` and `held_kv_bytes` count the stored bytes, scales included.
     """
 
     # transformers 5.25 asks before its first crop in assisted decoding (and before deferring a stop on MPS);
@@ -237,9 +246,11 @@ class BudgetCache(Cache):
 
     def __init__(self, config, budget: int, batch_size: int = 1, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | list | tuple | None = None, headroom: int = 0,
-                 layer_budgets: list[int] | None = None, head_pool: bool = False, interval: int = 1):
+                 layer_budgets: list[int] | None = None, head_pool: bool = False, interval: int = 1,
+                 slot_dtype: str | None = None):
         if not isinstance(head_pool, bool):
             raise ValueError(f"head_pool must be a bool, got {head_pool!r}")
+        slot_dtype = check_slot_dtype(slot_dtype)
         for name, val, low in (("budget", budget, 1), ("batch_size", batch_size, 1), ("headroom", headroom, 0),
                                ("interval", interval, 1)):
             check_int(name, val, low)
@@ -273,9 +284,11 @@ class BudgetCache(Cache):
             layers.append(BudgetLayer(
                 layer=i, budget=b, slots=sliding or b + max(headroom, interval - 1), sliding=sliding,
                 batch_size=batch_size, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
-                dtype=dtype, device=devices[i], inv_freq=inv_freq, call=self.call, pooled=head_pool, q_heads=heads))
+                dtype=dtype, device=devices[i], inv_freq=inv_freq, call=self.call, pooled=head_pool, q_heads=heads,
+                slot_dtype=slot_dtype))
         super().__init__(layers=layers)
         self.budget, self.headroom, self.dtype, self.head_pool = budget, headroom, dtype, head_pool
+        self.slot_dtype = slot_dtype
         self.interval = interval
         self._since = 0  # decode steps since the last evicting call (`interval`)
         self.evicting = True  # whether the call being admitted may evict (False: frozen, or between evictions)
@@ -334,7 +347,7 @@ class BudgetCache(Cache):
         if len(entries) != len(self.layers):
             raise ValueError(f"set_rope: {len(entries)} entries for {len(self.layers)} layers")
         for layer, entry in zip(self.layers, entries):
-            head_dim = layer.keys.shape[-1]
+            head_dim = layer.head_dim
             if entry is None:
                 continue
             if not isinstance(entry, tuple):
@@ -366,11 +379,11 @@ class BudgetCache(Cache):
         for layer, w in zip(self.layers, weights):
             if w is None:
                 continue
-            width = layer.q_heads * layer.values.shape[-1]
+            width = layer.q_heads * layer.v_head_dim
             if w.dim() != 2 or w.shape[1] != width or w.device != layer.device:
                 raise ValueError(f"layer {layer.layer}: output projection of shape {tuple(w.shape)} on {w.device}; "
                                  f"expected [hidden, {width}] on {layer.device}")
-            layer.wo = out_projection_factors(w, layer.num_heads, layer.values.shape[-1])
+            layer.wo = out_projection_factors(w, layer.num_heads, layer.v_head_dim)
             layer.wo_known = True
 
     @property

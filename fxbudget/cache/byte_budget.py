@@ -17,14 +17,16 @@ from ..kernel.state import SLOT_FIELDS
 from .budget_cache import BudgetCache
 
 
-def cache_bytes(config, tokens: int, *, dtype: torch.dtype, head_pool: bool = False) -> int:
+def cache_bytes(config, tokens: int, *, dtype: torch.dtype, head_pool: bool = False,
+                slot_dtype: str | None = None) -> int:
     """Bytes of the slot tensors of a `BudgetCache(config, tokens)` for one sequence, no head-room (meta device)."""
-    cache = BudgetCache(config, tokens, 1, dtype=dtype, device="meta", head_pool=head_pool)
+    cache = BudgetCache(config, tokens, 1, dtype=dtype, device="meta", head_pool=head_pool, slot_dtype=slot_dtype)
     return sum(getattr(layer, f).numel() * getattr(layer, f).element_size() for layer in cache.layers
                for f in SLOT_FIELDS)
 
 
-def tokens_for_bytes(spec: str, config, *, dtype: torch.dtype, head_pool: bool = False) -> int:
+def tokens_for_bytes(spec: str, config, *, dtype: torch.dtype, head_pool: bool = False,
+                     slot_dtype: str | None = None) -> int:
     """The largest token budget (entries per full-attention layer and KV head) whose cache fits in `spec` bytes.
 
     Raises:
@@ -34,14 +36,14 @@ def tokens_for_bytes(spec: str, config, *, dtype: torch.dtype, head_pool: bool =
     total = byte_size(spec)
     if total is None:
         raise ValueError(f"not a byte budget: {spec!r} (a number and a unit such as 256MiB)")
-    one, two = (cache_bytes(config, t, dtype=dtype, head_pool=head_pool) for t in (1, 2))
+    one, two = (cache_bytes(config, t, dtype=dtype, head_pool=head_pool, slot_dtype=slot_dtype) for t in (1, 2))
     per_token, fixed = two - one, 2 * one - two
     if per_token == 0:
         raise ValueError(f"budget {spec}: this model has no full-attention layer (every layer holds its sliding "
                          "window), so there is nothing a budget limits")
     tokens = (total - fixed) // per_token
     if tokens < 1:
-        dt = str(dtype).removeprefix("torch.")
+        dt = str(dtype).removeprefix("torch.") + ("" if slot_dtype in (None, "model") else f" ({slot_dtype} slots)")
         raise ValueError(f"budget {spec} is below one entry per layer and KV head for this model in {dt}: the "
                          f"smallest byte budget that works is {_bytes(one)} (each further entry per layer "
                          f"and KV head adds {per_token} B)")

@@ -77,7 +77,7 @@ def _where(devices: list[torch.device]) -> str:
 
 def model_cache(model: nn.Module, rule: Rule, budget: int, batch_size: int = 1, *,
                 headroom: int = 0, prompt: int | None = None, head_pool: bool | None = None,
-                interval: int = 1) -> BudgetCache:
+                interval: int = 1, slot_dtype: str | None = None) -> BudgetCache:
     """A fresh `BudgetCache` for `model` (its config, dtype and each layer's device, `layer_devices`) and `rule`'s
     per-layer budgets, sized for a prefill of `prompt` tokens when given (schedules such as pyramidkv's adapt to it;
     None = the fixed schedule), in the layout `resolve_head_pool(rule, head_pool)`, evicting decode steps every
@@ -89,7 +89,7 @@ def model_cache(model: nn.Module, rule: Rule, budget: int, batch_size: int = 1, 
     p = next(model.parameters())
     cache = BudgetCache(model.config, budget, batch_size, dtype=p.dtype, device=layer_devices(model),
                         headroom=headroom, layer_budgets=layer_budgets(rule, budget, model.config, prompt),
-                        head_pool=pooled, interval=interval)
+                        head_pool=pooled, interval=interval, slot_dtype=slot_dtype)
     cache.sized_for_prompt = prompt  # what BudgetForward checks its layer budgets against
     cache.set_rope(model_rope(model))  # the model's own frequencies (llama3, YaRN, linear, ...), not the config's
     cache.set_output_projections([w if w is not None and w.device == d else None  # offloaded weights: unknown
@@ -113,7 +113,7 @@ def output_projections(model: nn.Module) -> list[torch.Tensor | None]:
 
 
 def check_cache(cache: BudgetCache, model: nn.Module, rule: Rule, budget: int, batch: int,
-                head_pool: bool | None = None) -> None:
+                head_pool: bool | None = None, slot_dtype: str = "model") -> None:
     """Raise a ValueError unless `cache` was built for `model`, `rule`'s per-layer budgets, `budget` and `batch`
     rows, with the model's dtype and each layer's device, in the layout `resolve_head_pool(rule, head_pool)`."""
     pooled = resolve_head_pool(rule, head_pool)
@@ -123,6 +123,9 @@ def check_cache(cache: BudgetCache, model: nn.Module, rule: Rule, budget: int, b
                          f"it with model.forward.new_cache() or BudgetCache(..., head_pool={pooled})")
     if cache.budget != budget:
         raise ValueError(f"cache budget {cache.budget} differs from the compiled budget {budget}")
+    if cache.slot_dtype != slot_dtype:
+        raise ValueError(f"cache slots store {cache.slot_dtype}, the compiled run's store {slot_dtype}: build it "
+                         f"with model.forward.new_cache() or BudgetCache(..., slot_dtype={slot_dtype!r})")
     if cache.batch_size != batch:
         raise ValueError(f"cache was built for batch size {cache.batch_size}, input has {batch}")
     config = getattr(model, "config", None)

@@ -54,7 +54,7 @@ def grid_of(args):
                 backend=None if args.backend == "none" else args.backend, share_prefill=not args.no_share_prefill,
                 rule_params=preflight.params(args.param), task_files=args.task_file,
                 likelihood=not args.no_likelihood, task_file_samples=args.samples, interval=args.interval,
-                signals=args.signals)
+                signals=args.signals, slot_dtype=args.slot_dtype)
 
 
 def cmd_compare(args) -> int:
@@ -99,7 +99,8 @@ def _compare(args) -> int:
         plan = runner.plan()
         budgeted = any(r != REFERENCE for r in grid.rules)  # a run of `full` alone writes no budgeted rows
         folder.check(args.out, folder.Identity(source.name, place.dtype, place.device, tuple(grid.protocols),
-                                               signals_label(grid.signal_set()) if budgeted else None))
+                                               signals_label(grid.signal_set()) if budgeted else None,
+                                               grid.slot_dtype))
     except ValueError as e:  # a results file with a line that is not a row (a cut last line is only a warning)
         raise UsageError(str(e)) from None
     stages.mark("checks (torch and transformers imports included)")

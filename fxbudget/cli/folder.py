@@ -13,13 +13,15 @@ from pathlib import Path
 class Identity:
     """What the rows of one folder must share: the model as rows name it, the dtype and device as `Placement` names
     them, and the command's protocols (the folder's rows must be of these; a command may add protocols). `signals`:
-    the run's signal set as rows name it (`kernel.settings.signals_label`); None skips the check."""
+    the run's signal set as rows name it (`kernel.settings.signals_label`); None skips the check. `slot_dtype`: how
+    its caches store keys and values (rows before it: the model's dtype)."""
 
     model: str
     dtype: str
     device: str
     protocols: tuple[str, ...]
     signals: str | None = None
+    slot_dtype: str = "model"
 
 
 def _kind(device: str) -> str:
@@ -41,6 +43,7 @@ def check(out: str | Path, run: Identity) -> None:
     fix = f"give this command another --out (`fxbudget report {out} OTHER` reads several folders together)"
     for what, ours, value in (("model", run.model, lambda r: r.get("model")),
                               ("dtype", run.dtype, lambda r: r.get("dtype")),
+                              ("slot storage (--slot-dtype)", run.slot_dtype, lambda r: r.get("slot_dtype") or "model"),
                               ("device", _kind(run.device), lambda r: _kind(r.get("device")))):
         theirs = sorted({str(value(r)) for r in rows if value(r) is not None} - {str(ours)})
         if theirs:

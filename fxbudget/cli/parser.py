@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..byte_size import SLOT_DTYPES
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, with its errors in one line (and exit status 2): what is wrong, and where the help is."""
@@ -192,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--signals", choices=["all"], default=None, help="the kernel's signal set: by default what the "
                    "run's rules read (one set for every rule, recorded in each row); 'all' measures every signal, so "
                    "the rows' cost columns pool with other runs'")
+    c.add_argument("--slot-dtype", choices=SLOT_DTYPES, default="model", help="how the cache stores keys and "
+                   "values (a kernel setting): the model's dtype, or quantized with a float32 scale per entry and "
+                   "head; a byte budget buys more entries in fewer bits. Quantized slots run every prefill on its own")
     c.add_argument("--no-share-prefill", action="store_true", help="run every rule's prefill separately")
     c.add_argument("--param", action="append", default=[], help="rule hyperparameter, e.g. snapkv.window=64")
     _rule_file_option(c)

@@ -148,8 +148,8 @@ def byte_tokens(grid, config, dtype: str, model: str) -> dict[str, int]:
     from ..cache.byte_budget import tokens_for_bytes
 
     try:
-        return {s: tokens_for_bytes(s, config, dtype=getattr(torch, dtype), head_pool=grid.layout() == "head-pool")
-                for s in specs}
+        return {s: tokens_for_bytes(s, config, dtype=getattr(torch, dtype), head_pool=grid.layout() == "head-pool",
+                                    slot_dtype=grid.slot_dtype) for s in specs}
     except ValueError as e:
         raise UsageError(f"--budgets: {model}: {e}") from None
 

@@ -63,7 +63,8 @@ class BudgetForward:
 
     def __init__(self, model: nn.Module, rule: Rule, budget: int, *, chunk_size: int | None,
                  backend: str | None, headroom: int, block: int | None = DEFAULT_BLOCK, cudagraphs: bool = False,
-                 head_pool: bool | None = None, interval: int = 1, measure: str = "auto", progress: bool = False):
+                 head_pool: bool | None = None, interval: int = 1, measure: str = "auto", progress: bool = False,
+                 slot_dtype: str = "model"):
         """Build the forward of `model` (not yet installed: see `install`); the compiled graphs live here, so a
         forward installed, restored and installed again keeps them."""
         self.model, self.rule, self.budget, self.block = model, rule, budget, block
@@ -72,6 +73,7 @@ class BudgetForward:
         self.head_pool = resolve_head_pool(rule, head_pool)  # the cache layout of every cache this forward uses
         self.chunk_size, self.backend, self.headroom, self.cudagraphs = chunk_size, backend, headroom, cudagraphs
         self.interval = interval  # decode steps between evictions in the caches this forward creates (`new_cache`)
+        self.slot_dtype = slot_dtype  # how its caches store keys and values (`kernel.slot_storage`)
         self.window = kernel_window(rule)
         self.progress = CallProgress(progress, f"{rule.name} at budget {budget}")
         self.original = model.forward
@@ -219,7 +221,8 @@ class BudgetForward:
         evicting decode steps every `interval` steps (None: this forward's `interval`)."""
         return model_cache(self.model, self.rule, self.budget, batch_size,
                            headroom=self.headroom if headroom is None else headroom, prompt=prompt,
-                           head_pool=self.head_pool, interval=self.interval if interval is None else interval)
+                           head_pool=self.head_pool, interval=self.interval if interval is None else interval,
+                           slot_dtype=self.slot_dtype)
 
     def _generate_cache(self, batch: int, n: int) -> BudgetCache:
         """The cache of a new sequence (generate()'s first call); with cudagraphs, the same one again, reset."""
@@ -242,7 +245,7 @@ class BudgetForward:
                             f"got {type(cache).__name__}")
         if cache is self._checked_cache and cache.batch_size == batch:
             return cache  # its model, dtype, device and budgets were checked on an earlier call and cannot change
-        check_cache(cache, self.model, self.rule, self.budget, batch, self.head_pool)
+        check_cache(cache, self.model, self.rule, self.budget, batch, self.head_pool, self.slot_dtype)
         if self.cudagraphs:
             cache.mark_static()  # before the first compiled call that sees it
         self._checked_cache = cache

@@ -186,7 +186,8 @@ def probe_ids(model: nn.Module, batch: int = 1) -> torch.Tensor:
 
 def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor | None = None, *, rule: str | Rule = "snapkv",
                        budget: int = 1024, cache: BudgetCache | None = None, block: int | None = None,
-                       head_pool: bool | None = None, signals=ALL_SIGNALS, **rule_params) -> str:
+                       head_pool: bool | None = None, signals=ALL_SIGNALS, slot_dtype: str = "model",
+                       **rule_params) -> str:
     """Hash of the rewritten graphs with the rule's ops abstracted: equal for every rule means one shared kernel.
 
     The one definition, printed by `fxbudget inspect` and recorded by every `compare` row: with `input_ids=None`
@@ -206,6 +207,8 @@ def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor | None = None, 
             (default: every signal, the kernel every rule can run), None (what `rule` reads, as `fxbudget.compile`
             measures) or a set. A set other than "all" is named in the hash (`signal_set_fingerprint`), so two
             sets never share a fingerprint; "all" hashes the graphs alone, as before the set existed.
+        slot_dtype: how the traced cache stores keys and values (`kernel.slot_storage`; a kernel setting): a
+            quantized storage traces its dequantize and quantize ops, so its fingerprint is its own.
     Returns:
         A hex sha256 string.
     """
@@ -214,6 +217,9 @@ def kernel_fingerprint(model: nn.Module, input_ids: torch.Tensor | None = None, 
         input_ids, block = probe_ids(model), PROBE_BLOCK if block is None else block
     block = max(2, (input_ids.shape[1] + 1) // 2) if block is None else block
     chosen = run_signals([get(rule, **rule_params)], signals)
+    if cache is None and slot_dtype != "model":
+        cache = model_cache(model, get(rule, **rule_params), budget, input_ids.shape[0], head_pool=head_pool,
+                            slot_dtype=slot_dtype)
     return signal_set_fingerprint(graph_fingerprint(layer_graphs(model, input_ids, rule, budget, cache, rule_params,
                                                                  block=block, head_pool=head_pool, signals=chosen)),
                                   chosen)

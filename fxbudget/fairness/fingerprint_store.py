@@ -236,14 +236,15 @@ def write_entry(path: Path, key: dict, value: str, traced_s: float) -> None:
 
 
 def cached_kernel_fingerprint(model: nn.Module, rule: str | Rule, *, budget: int, head_pool: bool | None = None,
-                              compute: Callable[..., str] | None = None, signals=ALL_SIGNALS) -> tuple[str, bool]:
+                              compute: Callable[..., str] | None = None, signals=ALL_SIGNALS,
+                              slot_dtype: str = "model") -> tuple[str, bool]:
     """`kernel_fingerprint(model, rule=rule, budget=budget, head_pool=head_pool)` on its probe, read from the disk
     cache when an entry for the same key exists, else traced and stored.
 
     Args:
         model: a transformers causal LM (a model without `config` is traced every time).
         rule: a rule name (no hyperparameters) or instance. budget, head_pool, signals: as for `kernel_fingerprint`
-            (the signal set is part of the key).
+            (the signal set is part of the key), slot_dtype (part of the key when not "model").
         compute: what traces it (default `fingerprint.kernel_fingerprint`), called as it is.
     Returns:
         (the fingerprint, whether it was read from the cache).
@@ -253,10 +254,14 @@ def cached_kernel_fingerprint(model: nn.Module, rule: str | Rule, *, budget: int
     chosen = run_signals([rule], signals)
     label = signals_label(chosen)
     extra = {} if label == ALL_SIGNALS else {"signals": chosen}  # "all": the key (and entries) of before the set
+    if slot_dtype != "model":  # the model dtype: the key (and entries) of before quantized slots
+        extra["slot_dtype"] = slot_dtype
     try:
         key = fingerprint_key(model, rule, budget, head_pool)
-        if extra:
+        if "signals" in extra:
             key["signals"] = label
+        if "slot_dtype" in extra:
+            key["slot_dtype"] = slot_dtype
     except Uncacheable as e:
         log.debug("kernel fingerprint not cached: %s", e)
         return compute(model, rule=rule, budget=budget, head_pool=head_pool, **extra), False

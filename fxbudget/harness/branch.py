@@ -99,6 +99,9 @@ def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str, signals
     """
     if cache.tokens_seen:
         raise ValueError("branch() needs an empty cache")
+    if cache.slot_dtype != "model":  # its recorded norms and slots are the model dtype's, not the stored values'
+        raise NotImplementedError(f"branch() of a shared prefill into {cache.slot_dtype} slots is not built: run "
+                                  "each prefill on its own (compare --no-share-prefill)")
     if cache.signature != prefill.cache.signature or cache.batch_size != prefill.cache.batch_size:
         raise ValueError("branch() needs a cache for the model and batch size of the shared prefill")
     rule = get(rule)

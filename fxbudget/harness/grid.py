@@ -108,6 +108,9 @@ class Grid:
     # The kernel's signal set (a kernel setting, like the window): None measures what the run's rules read (the
     # union, `kernel.signal_set.run_signals`), "all" every signal (to pool the rows with other runs').
     signals: str | None = None
+    # How the caches store keys and values (`kernel.slot_storage.SLOT_DTYPES`; a kernel setting): "model" = the
+    # model's dtype; "float8_e4m3fn", "int8" or "int4" quantized per entry and head.
+    slot_dtype: str = "model"
 
     def validate(self) -> None:
         """Check the grid without a model.
@@ -156,6 +159,9 @@ class Grid:
             raise ValueError(f"lengths must be positive ints, got {self.lengths!r}")
         if not self.budgets:
             raise ValueError("budgets must not be empty")
+        from ..kernel.slot_storage import check_slot_dtype
+
+        check_slot_dtype(self.slot_dtype)
         kinds = {budget_kind(b) for b in self.budgets}  # raises on a malformed budget
         for r in self.rules:  # e.g. AdaKV: an absolute budget below the tokens its rule protects in every head
             if r != REFERENCE and kinds == {"tokens"}:
@@ -211,7 +217,8 @@ class Grid:
     @property
     def shares_prefill(self) -> bool:
         """Whether rules share one prefill per sample (on the eager kernel): it must be a single call."""
-        return self.share_prefill and self.chunk_size is None
+        # Quantized slots: a shared prefill's recorded signals are of the model dtype's values (`branch` refuses).
+        return self.share_prefill and self.chunk_size is None and self.slot_dtype == "model"
 
 
 @dataclass(frozen=True)
@@ -271,6 +278,8 @@ def row_key(model_name: str, grid: Grid, unit: Unit, protocol: str, rule: str, b
     key = key + "|head-pool" if rule != REFERENCE and grid.head_pool() else key
     # Likewise a streaming row at a decode interval (the reference row too: it heads that setting's section).
     key = key + f"|interval{grid.interval}" if protocol == "streaming" and grid.interval > 1 else key
+    # And quantized slots (every row of the run: its reference row heads that setting's columns).
+    key = key + f"|slots-{grid.slot_dtype}" if grid.slot_dtype != "model" else key
     return key if turn is None else f"{key}|turn{turn}"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from statistics import mean
 
-from ..byte_size import UNITS, size_label
+from ..byte_size import SLOT_DTYPES, UNITS, size_label
 from .grid import BUDGET_KINDS
 from .runner import PROTOCOLS, REFERENCE
 
@@ -59,18 +59,20 @@ def sample_id(row: dict) -> tuple:
 
 
 def setting(row: dict) -> str:
-    """The protocol, plus the decode interval (streaming), prefill chunk and backend when they are not the defaults."""
+    """The protocol, plus the decode interval (streaming), prefill chunk, backend and slot storage when they are not
+    the defaults."""
     parts = [row["protocol"]] + ([f"interval {row['decode_interval']}"] if (row.get("decode_interval") or 1) > 1
                                  else []) + ([f"chunk {row['chunk_size']}"] if row.get("chunk_size") else []) + \
-        ([row["backend"]] if row.get("backend") not in (None, "none") else [])
+        ([row["backend"]] if row.get("backend") not in (None, "none") else []) + \
+        ([f"{row['slot_dtype']} slots"] if row.get("slot_dtype") not in (None, "model") else [])
     return ", ".join(parts)
 
 
 def settings(rows) -> list[str]:
-    """The settings of `rows` in protocol order (then chunk size and backend)."""
+    """The settings of `rows` in protocol order (then chunk size, backend and slot storage)."""
     return list(dict.fromkeys(setting(r) for r in sorted(rows, key=lambda r: (
         PROTOCOL_ORDER.get(r["protocol"], 9), r.get("decode_interval") or 1, str(r.get("chunk_size")),
-        str(r.get("backend"))))))
+        str(r.get("backend")), SLOT_DTYPES.index(r.get("slot_dtype") or "model")))))
 
 
 def reference_logprobs(rows) -> dict[tuple, float]:

@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from ..byte_size import SLOT_DTYPES
 from ..kernel.settings import ALL_SIGNALS
 from ..models.embedded import by_name
 from ..models.source import RANDOM
@@ -165,8 +166,13 @@ def _header(rows: list[dict], sort: str) -> list[str]:
               frozenset({True, False}): "; some read from the fingerprint cache"}.get(cached, "")
     budgeted = [r for r in rows if r.get("kernel_fingerprint")]
     sets = signal_sets(budgeted)
-    per_set = len(sets) > 1 and len(prints) == len(sets) and all(
-        len({r["kernel_fingerprint"] for r in budgeted if (r.get("signals") or ALL_SIGNALS) == s}) == 1 for s in sets)
+    storages = sorted({r.get("slot_dtype") or "model" for r in budgeted}, key=SLOT_DTYPES.index)
+    # Kernel settings that change the graphs: the signal set and the slot storage (one fingerprint per pair).
+    kernels = {(r.get("signals") or ALL_SIGNALS, r.get("slot_dtype") or "model") for r in budgeted}
+    per_set = len(kernels) > 1 and len(prints) == len(kernels) and all(
+        len({r["kernel_fingerprint"] for r in budgeted
+             if (r.get("signals") or ALL_SIGNALS, r.get("slot_dtype") or "model") == k}) == 1 for k in kernels)
+    per_what = " and ".join(w for w, n in (("signal set", len(sets)), ("slot storage", len(storages))) if n > 1)
     windows = sorted({r["window"] for r in rows if r.get("window") is not None})
     blocks = sorted({str(r.get("block") or "automatic") for r in rows if r["rule"] != REFERENCE})
     names = [f"{m} ({by_name(m).weights}: 4-bit-quantized weights)" if by_name(m) else m for m in models]
@@ -181,7 +187,7 @@ def _header(rows: list[dict], sort: str) -> list[str]:
                              f"**{len(prints)} different kernel fingerprints** — the rows are of {len(models)} models "
                              "(merged folders?), each model its own kernel: compare rules within one model"
                              if len(prints) > 1 and len(models) > 1 else
-                             f"{len(prints)} kernel fingerprints, one per signal set (below)" if per_set else
+                             f"{len(prints)} kernel fingerprints, one per {per_what} (below)" if per_set else
                              f"**{len(prints)} different kernel fingerprints** — rules did not run the same kernel"
                              if prints else "no budgeted rows"),
              "- observation window (last queries of a call whose attention `window_attn` sums; one per comparison): "
@@ -191,6 +197,10 @@ def _header(rows: list[dict], sort: str) -> list[str]:
              signal_set_line(sets),
              f"- kernel query block: {', '.join(blocks) if blocks else '-'}",
              _allocation_line([r for r in rows if r["rule"] != REFERENCE])]
+    if storages and storages != ["model"]:  # rows before quantized slots, and runs in the model's dtype, say nothing
+        parts.append("- slot storage (how the caches stored keys and values, a kernel setting: a setting of the "
+                     f"tables' columns): {', '.join(storages)}; quantized slots hold int codes or fp8 with a float32 "
+                     "scale per entry and head (`fxbudget.kernel.slot_storage`)")
     sized = byte_budget_line(rows)
     if sized:
         parts.append(sized)
@@ -210,13 +220,24 @@ def _header(rows: list[dict], sort: str) -> list[str]:
                     "glossary at the end."]
 
 
+def by_slots(rows) -> dict:
+    """`rows` by chunk size, backend and slot storage (rows before it: the model's dtype), in a stable order."""
+    groups = defaultdict(list)
+    for (chunk, backend), rs in by(rows, "chunk_size", "backend").items():
+        for r in rs:
+            groups[(chunk, backend, r.get("slot_dtype") or "model")].append(r)
+    return dict(sorted(groups.items(), key=lambda kv: (str(kv[0][:2]), SLOT_DTYPES.index(kv[0][2]))))
+
+
 def byte_budget_line(rows) -> str | None:
     """What each byte budget bought: its entries per layer and KV head, by model and dtype (`cache.byte_budget`: the
     most whose cache, keys, values and each entry's bookkeeping for one sequence, fits). None without byte budgets."""
     bought = defaultdict(set)
     for r in rows:
         if r.get("budget_bytes") is not None:
-            bought[(budget_label(r), r["model"], r.get("dtype"))].add(r["budget"])
+            storage = r.get("slot_dtype") or "model"
+            where = r.get("dtype") if storage == "model" else f"{r.get('dtype')}, {storage} slots"
+            bought[(budget_label(r), r["model"], where)].add(r["budget"])
     if not bought:
         return None
     cells = [f"{label} = {'/'.join(map(str, sorted(t)))} entries ({model}, {dtype})"
@@ -282,8 +303,10 @@ def markdown(rows: list[dict], plots: list[str], sort: str = "accuracy") -> str:
         if lik:
             parts += ["", "### answer log-likelihood per token vs the unmodified model", "", lik]
     for protocol, prs in by(rows, "protocol").items():
-        for (chunk, backend), crs in by(prs, "chunk_size", "backend").items():
-            parts += ["", f"## protocol: {protocol}, prefill chunk: {chunk or 'one call'}, backend: {backend}", ""]
+        for (chunk, backend, storage), crs in by_slots(prs).items():
+            slots = "" if storage == "model" else f", slots: {storage}"  # the model's dtype (and rows before): unsaid
+            parts += ["", f"## protocol: {protocol}, prefill chunk: {chunk or 'one call'}, backend: {backend}{slots}",
+                      ""]
             note = section_note(crs)
             if note:
                 parts += [note, ""]

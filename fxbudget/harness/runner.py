@@ -273,7 +273,7 @@ class Runner:
             forward.install()
             return forward
         fx_compile(self.model, rule=rule, budget=budget, chunk_size=g.chunk_size, backend=g.backend,
-                   headroom=self.headroom, signals=self.signals, progress=False, **self._pool)
+                   headroom=self.headroom, signals=self.signals, progress=False, slot_dtype=g.slot_dtype, **self._pool)
         forward = self._forwards[key] = self.model.forward
         if g.backend is not None:
             forward.buckets = tuple(sorted({self.question_bucket, g.chunk_size} - {None, 0}))
@@ -296,7 +296,8 @@ class Runner:
         if budget_kind(spec) == "bytes" and spec not in self._byte_tokens:
             self._byte_tokens[spec] = tokens_for_bytes(spec, self.model.config,
                                                        dtype=next(self.model.parameters()).dtype,
-                                                       head_pool=self.layout == "head-pool")
+                                                       head_pool=self.layout == "head-pool",
+                                                       slot_dtype=self.grid.slot_dtype)
         return resolve_budget(spec, context_tokens, self._byte_tokens)
 
     def _fingerprint(self, rule) -> str:
@@ -307,7 +308,8 @@ class Runner:
             budget = max((b for b in self.grid.budgets if budget_kind(b) == "tokens"), default=1024)
             with Clock() as clock:  # inspect's probe, traced once per model, rule, code and versions (on disk)
                 self._fingerprints[rule.name], self.fingerprint_cached[rule.name] = cached_kernel_fingerprint(
-                    self.model, rule, budget=budget, compute=kernel_fingerprint, signals=self.signals, **self._pool)
+                    self.model, rule, budget=budget, compute=kernel_fingerprint, signals=self.signals,
+                    slot_dtype=self.grid.slot_dtype, **self._pool)
             self.fingerprint_s += clock.run + clock.compile
             interrupt.checkpoint("fingerprinted")  # between the fingerprint and the compile
         return self._fingerprints[rule.name]
@@ -324,7 +326,7 @@ class Runner:
                 "context_tokens": ctx.shape[1], "question_tokens": question.shape[1],
                 "answer_tokens": None if answer is None else answer.shape[1],
                 "depth": sample.depth, "answers": sample.answers, "chunk_size": g.chunk_size,
-                "backend": g.backend or "none", **self.env}
+                "backend": g.backend or "none", "slot_dtype": g.slot_dtype, **self.env}
         bar.set_description(f"{sample.task[:24]} {unit.length or ''} #{unit.index}")
         reference = None  # the unmodified model ignores the protocol: one run per sample, one row per protocol
         # One prefill per distinct prefilled sequence: the context (query-agnostic, streaming) or context + question.

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .signals import TOKEN_SIGNALS
+from .slot_storage import encode
 from .state import LayerSlots, NewTokens
 
 # The signals `evict` reads (besides the score): positions, the carried state, the per-token signals it caches.
@@ -65,8 +66,8 @@ def evict(
         rows = torch.where(write.unsqueeze(-1), cand[bi, hi, src], cached[bi, hi, dst])
         cached.index_put_((bi, hi, dst), rows)
 
-    put(k_slots, k_new)
-    put(v_slots, v_new)
+    put(k_slots, encode(k_new, k_slots))  # quantized slots: the new tokens' codes and scales (`slot_storage`)
+    put(v_slots, encode(v_new, v_slots))
 
     # An indexed write (`index_put`, distinct `dst` per row), not `scatter`: Inductor lowers a scatter of int64
     # values (the positions) to ATen on CUDA (its atomic-add limits), an index_put of any dtype to Triton.
@@ -99,8 +100,8 @@ def _replace_one(key: Tensor, signals: dict[str, Tensor], totals: Tensor, slots:
     def row(old: Tensor, cand: Tensor) -> Tensor:  # [b, h, 1(, k)]: the new token's row, or the slot's unchanged
         return torch.where(write.view(*write.shape, *(1,) * (old.dim() - 3)), cand, old[bi, hi, dst])
 
-    slots.keys.index_put_((bi, hi, dst), row(slots.keys, new.keys))
-    slots.values.index_put_((bi, hi, dst), row(slots.values, new.values))
+    slots.keys.index_put_((bi, hi, dst), row(slots.keys, encode(new.keys, slots.keys)))
+    slots.values.index_put_((bi, hi, dst), row(slots.values, encode(new.values, slots.values)))
     pos = signals["pos"]
     slots.pos.index_put_((bi, hi, dst), row(pos[..., :S, None], pos[..., S:, None]).squeeze(-1))
     norms = torch.stack([signals[name] for name in TOKEN_SIGNALS], dim=-1)  # [b, h, S + 1, 3]

@@ -105,7 +105,8 @@ class HeadPool:
                           slots.pos.view(b, 1, P), slots.state.view(b, 1, P),
                           slots.norms.view(b, 1, P, slots.norms.shape[-1]), slots.totals, own)
         evict(score_f, flat_signals, totals, pool,
-              NewTokens(new.keys.reshape(b, 1, h * n, d), new.values.reshape(b, 1, h * n, new.values.shape[-1]),
+              NewTokens(new.keys.reshape(b, 1, h * n, new.keys.shape[-1]),
+                        new.values.reshape(b, 1, h * n, new.values.shape[-1]),
                         new.pos), keep=h * keep, owner=True, cand_owner=heads, tie_pos=tie)
 
 

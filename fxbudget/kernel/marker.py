@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .slot_storage import decode
 from .state import MARKER_TENSORS
 
 
@@ -28,13 +29,19 @@ def candidates(
 ) -> tuple[Tensor, Tensor]:
     """Marker: the candidate keys/values (slots then new tokens), as a plain cache would hand them to SDPA. Its
     tensors are `kernel.state.MARKER_TENSORS` (`marker_tensors` / `from_marker` convert)."""
-    return torch.cat([keys, k_new], dim=2), torch.cat([values, v_new], dim=2)
+    return _plain(keys, values, k_new, v_new)
 
 
 @candidates.register_fake
 def _(keys, values, pos, state, norms, totals, owner, k_new, v_new, new_pos, inv_freq, wo, layer, budget, keep,
       sliding, pooled, empty):
-    return torch.cat([keys, k_new], dim=2), torch.cat([values, v_new], dim=2)
+    return _plain(keys, values, k_new, v_new)
+
+
+def _plain(keys, values, k_new, v_new):
+    """Slots (as stored values: `slot_storage.decode`) then new tokens, in the new tokens' dtype."""
+    return (torch.cat([decode(keys, k_new.shape[-1], k_new.dtype), k_new], dim=2),
+            torch.cat([decode(values, v_new.shape[-1], v_new.dtype), v_new], dim=2))
 
 
 assert MARKER_TENSORS == tuple(a.name for a in torch.ops.fxbudget.candidates.default._schema.arguments)[

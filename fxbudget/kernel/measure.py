@@ -20,6 +20,7 @@ from .block_scan import scan_blocks
 from .flex_measure import flex_attend
 from .settings import DEFAULT_BLOCK, DEFAULT_MEASURE, MEASURED_SIGNALS, MeasureSpec, auto_block, measure_form, measure_spec
 from .signals import TOKEN_SIGNALS, check_left_padded, window_block, window_max
+from .slot_storage import stored_new, stored_slots
 from .state import SIGNAL_NAMES, TOTALED, LayerConstants, LayerSlots, NewTokens
 
 
@@ -49,6 +50,7 @@ def measure(
     """
     spec = measure_spec(form)
     form, measured = spec.form, spec.signals
+    as_stored, slots = slots, stored_slots(slots, new)  # quantized slots: read as the values they store
     need_attn = bool(measured & {"attn", "acc_attn"})
     k_slots, v_slots, pos_slots = slots.keys, slots.values, slots.pos
     k_new, v_new, new_pos = new.keys, new.values, new.pos
@@ -110,7 +112,8 @@ def measure(
     if "acc_attn" in measured:  # the carried state is updated only by a kernel that measures attention
         found["acc_attn"] = torch.cat([slots.state, slots.state.new_zeros(b, h, n)], dim=2).to(acc) + attn
     # Cached entries' per-token signals were stored when they were written: no second pass over the K/V cache.
-    found.update({name: torch.cat([slots.norms[..., i].to(acc), fn(new, const, acc)], dim=-1)
+    written = stored_new(new, as_stored)  # what the slots will hold of the new tokens (quantized slots)
+    found.update({name: torch.cat([slots.norms[..., i].to(acc), fn(written, const, acc)], dim=-1)
                   for i, (name, fn) in enumerate(TOKEN_SIGNALS.items()) if name in measured})
     # A `Signals` field measured nowhere fails here; a measured one outside the run's set is left out.
     signals = {name: found[name] for name in SIGNAL_NAMES if name in measured or name not in MEASURED_SIGNALS}

@@ -1,0 +1,165 @@
+"""Quantized slots (issue 58, `kernel.slot_storage`): fp8, int8 and int4 keys and values with a float32 scale per
+entry and head. The oracle is the unmodified model whose cached keys and values are quantized and dequantized the
+same way (a call's own tokens attended in the model's dtype); the bounds are against float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import fxbudget
+from conftest import fresh, greedy, tiny_model
+from fxbudget.cache import BudgetCache
+from fxbudget.cache.byte_budget import tokens_for_bytes
+from fxbudget.kernel.slot_storage import SLOT_DTYPES, SCALE_BYTES, round_trip
+
+QUANTIZED = [s for s in SLOT_DTYPES if s != "model"]
+
+
+class QuantizedOracle(DynamicCache):
+    """transformers' own cache, storing `round_trip(k)` and `round_trip(v)`: each call attends the stored past and its
+    own tokens as computed (the semantics of fxbudget's quantized slots at a covering budget)."""
+
+    def __init__(self, slot_dtype: str, **kwargs):
+        super().__init__(**kwargs)
+        self.slot_dtype = slot_dtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        n = key_states.shape[2]
+        k, v = super().update(round_trip(key_states, self.slot_dtype), round_trip(value_states, self.slot_dtype),
+                              layer_idx, *args, **kwargs)
+        return torch.cat([k[:, :, :-n], key_states], dim=2), torch.cat([v[:, :, :-n], value_states], dim=2)
+
+
+@pytest.mark.parametrize("slot_dtype, bound", [("int8", 0.5 / 127), ("int4", 0.5 / 7), ("float8_e4m3fn", 2 ** -4)])
+def test_round_trip_error_against_float64(slot_dtype, bound):
+    """Per entry and head: int codes round to the nearest step (half a step of absmax / qmax at most); e4m3 keeps 3
+    mantissa bits (relative rounding error 2^-4 at most). The measured worst case is in docs/api.md's numbers."""
+    x = torch.randn(4, 2, 64, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 3
+    err = (round_trip(x.float(), slot_dtype).double() - x).abs().amax(-1) / x.abs().amax(-1)
+    assert float(err.max()) <= bound * (1 + 1e-6)
+    assert float(err.max()) > bound / 8  # quantized, not a copy
+    zero = torch.zeros(1, 32)
+    assert torch.equal(round_trip(zero, slot_dtype), zero)
+
+
+@pytest.mark.parametrize("slot_dtype", QUANTIZED)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: sliding layers' windows are quantized too
+def test_a_covering_budget_is_the_quantized_oracle(slot_dtype, arch):
+    model = tiny_model(arch)
+    ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(1))
+    ref, _ = greedy(model, ids, 5, cache=QuantizedOracle(slot_dtype, config=model.config))
+    plain, _ = greedy(model, ids, 5)
+    m = fxbudget.compile(fresh(model), rule="snapkv", budget=64, backend=None, slot_dtype=slot_dtype)
+    got, cache = greedy(m, ids, 5)
+    assert cache.slot_dtype == slot_dtype
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert float((got - plain).abs().max()) > 1e-4  # the oracle is not the unquantized model
+
+
+@pytest.mark.parametrize("rule", ["h2o", "knorm", "tova", "expected_attention", "adakv:snapkv"])
+def test_every_rule_and_layout_at_a_covering_budget(rule):
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(3))
+    ref, _ = greedy(model, ids, 3, cache=QuantizedOracle("int8", config=model.config))
+    got, _ = greedy(fxbudget.compile(fresh(model), rule=rule, budget=48, backend=None, slot_dtype="int8"), ids, 3)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_left_padding_and_chunked_prefill_are_the_oracle():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (2, 18), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    kw = dict(max_new_tokens=4, do_sample=False, attention_mask=mask, pad_token_id=0)
+    ref = model.generate(ids, past_key_values=QuantizedOracle("int4", config=model.config), **kw)
+    m = fxbudget.compile(fresh(model), rule="snapkv", budget=40, backend=None, slot_dtype="int4", chunk_size=7)
+    assert torch.equal(m.generate(ids, **kw), ref)
+
+
+@pytest.mark.parametrize("slot_dtype", QUANTIZED)
+def test_evicting_compiled_graph_equals_the_eager_kernel(slot_dtype):
+    """Under a budget that evicts, the graph pass (aot_eager) runs the same dequantize and quantize ops as eagerly:
+    the same logits and kept positions (the Inductor lowering was checked by hand; docs/api.md)."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(5))
+    runs = []
+    for backend in (None, "aot_eager"):
+        m = fxbudget.compile(fresh(model), rule="h2o", budget=12, backend=backend, slot_dtype=slot_dtype)
+        logits, cache = greedy(m, ids, 3)
+        runs.append((logits, cache.positions(0).clone(), cache.layers[0].keys.view(torch.uint8).clone()))
+    (l0, p0, k0), (l1, p1, k1) = runs
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
+    assert torch.equal(p0, p1) and torch.equal(k0, k1)
+
+
+def test_the_stored_bytes_are_the_codes_and_a_scale():
+    config = tiny_model("llama").config  # 2 layers, 2 KV heads, head_dim 16
+    full = BudgetCache(config, 10)
+    for slot_dtype, row in (("float8_e4m3fn", 16 + SCALE_BYTES), ("int8", 16 + SCALE_BYTES),
+                            ("int4", 8 + SCALE_BYTES)):
+        cache = BudgetCache(config, 10, slot_dtype=slot_dtype)
+        assert cache.kv_bytes() == 2 * 2 * 10 * 2 * row
+        assert full.kv_bytes() == 2 * 2 * 10 * 2 * 16 * 4
+    # a byte budget buys more entries in fewer bits
+    tokens = {s: tokens_for_bytes("64KiB", config, dtype=torch.float32, slot_dtype=s) for s in SLOT_DTYPES}
+    assert tokens["model"] < tokens["float8_e4m3fn"] == tokens["int8"] < tokens["int4"]
+
+
+def test_held_bytes_follow_the_storage():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(6))
+    m = fxbudget.compile(fresh(model), rule="snapkv", budget=16, backend=None, slot_dtype="int4")
+    _, cache = greedy(m, ids, 1)
+    assert cache.held_kv_bytes() == 2 * 2 * 16 * 2 * (8 + SCALE_BYTES)
+
+
+def test_bad_slot_dtypes_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="slot_dtype must be one of model, float8_e4m3fn, int8, int4"):
+        fxbudget.compile(tiny_model("llama"), rule="snapkv", budget=8, slot_dtype="fp16", backend=None)
+    odd = tiny_model("llama").config
+    odd.head_dim = 15
+    with pytest.raises(ValueError, match="head_dim 15 must be even"):
+        BudgetCache(odd, 8, slot_dtype="int4")
+    model = tiny_model("llama")
+    m = fxbudget.compile(fresh(model), rule="snapkv", budget=8, backend=None, slot_dtype="int8")
+    with pytest.raises(ValueError, match="cache slots store model, the compiled run's store int8"):
+        m(input_ids=torch.ones(1, 4, dtype=torch.long), past_key_values=BudgetCache(model.config, 8))
+
+
+SMALL = ["--tasks", "passkey", "--lengths", "300", "--samples", "1", "--max-new-tokens", "2", "--quiet",
+         "--rules", "full,snapkv,streamingllm", "--budgets", "8KiB"]
+
+
+@pytest.mark.usefixtures("shared_fingerprints")
+def test_compare_spends_equal_bytes_in_each_storage(tiny_dir, tmp_path, capsys):
+    """`compare --slot-dtype`: each storage its own folder, its own kernel fingerprint and entries per byte; the
+    report of both folders puts them side by side; a folder of one storage refuses a command of another."""
+    import json
+
+    from fxbudget.cli import main
+    from fxbudget.harness.report import load_rows, markdown
+    from fxbudget.models import load_model
+
+    config = load_model(tiny_dir)[0].config
+    runs = {}
+    for storage in ("model", "int4"):
+        out = tmp_path / storage
+        assert main(["compare", "--model", tiny_dir, *SMALL, "--slot-dtype", storage, "--out", str(out)]) == 0
+        rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+        budgeted = [r for r in rows if r["rule"] != "full"]
+        assert {r["slot_dtype"] for r in rows} == {storage}
+        assert {r["budget"] for r in budgeted} == {tokens_for_bytes("8KiB", config, dtype=torch.float32,
+                                                                    slot_dtype=storage)}
+        assert all(r["shared_prefill"] == (storage == "model") for r in budgeted)
+        runs[storage] = budgeted
+    assert runs["int4"][0]["budget"] > 2 * runs["model"][0]["budget"]
+    assert runs["int4"][0]["kernel_fingerprint"] != runs["model"][0]["kernel_fingerprint"]
+    assert len({r["kernel_fingerprint"] for r in runs["int4"]}) == 1
+    text = markdown(load_rows([tmp_path / "model", tmp_path / "int4"]), [], "accuracy")
+    assert "one per slot storage" in text and "## protocol: query-agnostic, prefill chunk: one call, backend: none, " \
+                                             "slots: int4" in text
+    capsys.readouterr()
+    assert main(["compare", "--model", tiny_dir, *SMALL, "--out", str(tmp_path / "int4")]) == 2
+    assert "holds rows of another slot storage (--slot-dtype) (int4; this command: model)" in capsys.readouterr().err
