@@ -13,7 +13,7 @@ from transformers import MistralConfig
 
 import fxbudget
 from conftest import fails_in_one_line, fresh, greedy, tiny_model
-from fxbudget.byte_size import byte_size, size_label
+from fxbudget.checks import byte_size, size_label
 from fxbudget.cache import BudgetCache
 from fxbudget.cache.byte_budget import cache_bytes, tokens_for_bytes
 from fxbudget.harness.grid import Grid, budget_kind

@@ -45,3 +45,18 @@ def test_decode_step_launches(step, batch, arch, capsys):
     assert got[0] <= launches and got[1] <= kernels, (
         f"decode {step} step, batch {batch}, {arch}: {got[0]} launches / {got[1]} Triton kernels, pinned at most "
         f"{launches} / {kernels} (outside Triton: {r['other_calls']})")
+
+
+SLOT_RUNS = [(storage, arch) for storage in ("float8_e4m3fn", "int8") for arch in cost_inductor.DECODE_ARCHS]
+
+
+@pytest.mark.parametrize("storage, arch", SLOT_RUNS, ids=[f"{s}-{a}" for s, a in SLOT_RUNS])
+def test_quantized_slots_add_no_call_outside_triton(storage, arch):
+    """Issue 58: the dequantizing measure phase and the quantizing evict lower into Triton kernels (the scale's
+    bytes by shifts and same-size bitcasts: a bitcast between sizes would be an ATen call), and the step reads fewer
+    bytes than with bf16 slots."""
+    bf16 = cost_inductor.lower_decode_step("evicting", BUDGET, 1, arch, SHAPES, WINDOW, RULE, phases=False)
+    r = cost_inductor.lower_decode_step("evicting", BUDGET, 1, arch, SHAPES, WINDOW, RULE, phases=False,
+                                        slot_dtype=storage)
+    assert sorted(r["other_calls"]) == sorted(bf16["other_calls"]), r["other_calls"]
+    assert r["bytes"] < bf16["bytes"] and r["launches"] <= bf16["launches"] + 3, (r["launches"], r["bytes"])

@@ -73,16 +73,21 @@ def traced(case: str, signals: str | frozenset = "all"):
 RUNS = [(c, *t) for c in sorted(CASES) for t in TARGETS if c == "full" or t == ("cuda", 90)]
 
 
-@pytest.mark.parametrize("case, kind, target", RUNS, ids=[f"{c}-{k}-{t}" for c, k, t in RUNS])
-def test_flex_form_lowers(case, kind, target):
-    gm, specs = traced(case)
+def _lowered(gm, specs, kind: str, target):
+    """The graph lowered for a fake CUDA (`sm_<target>`) or HIP (`gfx<target>`) device, and its flex templates."""
     if kind == "cuda":
         low = fake_cuda.lower(copy.deepcopy(gm), specs, sm=target, cubins=False)
     else:
         import fake_hip
 
         low = fake_hip.lower(copy.deepcopy(gm), specs, arch=target, hsaco=False)
-    templates = [k for k in low.kernels if k.startswith("triton_tem_") and "flex_attention" in k]
+    return low, [k for k in low.kernels if k.startswith("triton_tem_") and "flex_attention" in k]
+
+
+@pytest.mark.parametrize("case, kind, target", RUNS, ids=[f"{c}-{k}-{t}" for c, k, t in RUNS])
+def test_flex_form_lowers(case, kind, target):
+    gm, specs = traced(case)
+    low, templates = _lowered(gm, specs, kind, target)
     assert len(templates) == 2, f"{case}/{target}: the form's two flex calls as Triton templates, got {templates}"
     assert sorted(low.fallbacks + low.externs) == FALLBACKS.get(case, DEFAULT_FALLBACKS), (case, target)
 
@@ -96,12 +101,6 @@ RUNS_ONE = [("full", *t) for t in TARGETS] + [("pool", "cuda", 90)]
 def test_flex_form_without_the_transposed_call_lowers(case, kind, target):
     gm, specs = traced(case, frozenset({"window_attn"}))
     assert sum(node.target is torch.ops.higher_order.flex_attention for node in gm.graph.nodes) == 1
-    if kind == "cuda":
-        low = fake_cuda.lower(copy.deepcopy(gm), specs, sm=target, cubins=False)
-    else:
-        import fake_hip
-
-        low = fake_hip.lower(copy.deepcopy(gm), specs, arch=target, hsaco=False)
-    templates = [k for k in low.kernels if k.startswith("triton_tem_") and "flex_attention" in k]
+    low, templates = _lowered(gm, specs, kind, target)
     assert len(templates) == 1, f"{case}/{target}: one flex call as a Triton template, got {templates}"
     assert set(low.fallbacks + low.externs) <= set(FALLBACKS.get(case, DEFAULT_FALLBACKS)), (case, target)

@@ -203,6 +203,15 @@ def test_a_byte_budget_runs_as_the_tokens_it_buys(setup):
     assert info["budget_kind"].startswith("bytes") and info["budgets_used"] == [6]
 
 
+def test_quantized_slots_buy_more_tokens_in_the_same_bytes(setup):
+    model_dir, tm, _ = setup
+    fx = _fx(model_dir, [GEN], tm, "rule=snapkv,protocol=query-aware,budget=3900B,slot_dtype=int8")
+    info = fx["config"]["fxbudget"]
+    # int8: a key or value row is 16 + 4 bytes instead of 64, an entry 68 B with its bookkeeping instead of 156, so
+    # 3900 B (144 B of totals) hold 13 entries per layer and KV head where float32 slots hold 6
+    assert info["slot_dtype"] == "int8" and info["budget_tokens"] == 13 and info["budgets_used"] == [13]
+
+
 def test_batch_size_does_not_change_results(setup):
     """Left-padded batches: a row's result does not depend on what it is batched with."""
     model_dir, tm, _ = setup
@@ -292,6 +301,7 @@ def test_registered_with_lm_eval():
 @pytest.mark.parametrize("args, match", [
     ("rule=nope,budget=8", "unknown rule 'nope'; known rules: "),
     ("rule=snapkv", "budget= is required"),
+    ("rule=snapkv,budget=64,slot_dtype=fp16", "slot_dtype must be one of model, float8_e4m3fn, int8, int4"),
     ("budget=0", "positive int"),
     ("budget=150%", r"percentage in \(0, 100\]"),
     ("budget=lots", "percentage"),

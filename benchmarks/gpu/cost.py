@@ -64,6 +64,7 @@ import argparse
 import json
 import math
 import sys
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent  # benchmarks/gpu
@@ -593,7 +594,32 @@ def _sections(s: dict, ind: dict | None) -> str:
     the prefill with and without the transposed call (issue 56)."""
     return (tables(s, ind) + "\n\n" + decision(s, ind)
             + ("\n\n" + decode_section(ind, s) if ind and "decode_steps" in ind else "")
-            + "\n\n" + signal_set_section(s, ind))
+            + "\n\n" + signal_set_section(s, ind)
+            + ("\n\n" + slots_section(ind, s) if ind and "decode_slots" in ind else ""))
+
+
+def slots_section(ind: dict, s: dict) -> str:
+    """The evicting decode step per slot storage (issue 58): Inductor's launches and bytes, and the step's
+    PREDICTED time through the L layers as `step_seconds` charges it."""
+    rows = [r for r in ind["decode_slots"]["rows"] if r["arch"] == "sm_90"]
+    model = {r["B"]: r for r in rows if r["slot_dtype"] == "model"}
+    other = {r["arch"]: r["other_calls"] for r in ind["decode_slots"]["rows"] if r["slot_dtype"] == "model"}
+    new = sorted({c for r in ind["decode_slots"]["rows"] for c in r["other_calls"]} - {c for v in other.values()
+                                                                                      for c in v})
+    counts = {a: sorted((r["B"], r["slot_dtype"], r["launches"], r["bytes"]) for r in ind["decode_slots"]["rows"]
+                        if r["arch"] == a) for a in {r["arch"] for r in ind["decode_slots"]["rows"]}}
+    same = "gfx942 gives the same counts" if counts.get("gfx942") == counts["sm_90"] else "gfx942's differ: the JSON"
+    lines = ["## The decode step with quantized slots (issue 58, PREDICTED)", "",
+             f"The evicting step (batch 1, snapkv) of one Llama-3.1-8B layer whose slots store keys and values as "
+             f"`kernel/slot_storage.py` lays them out, lowered as one graph for the fake sm_90 ({same}: "
+             "`python benchmarks/gpu/cost.py decode-counts --slots`); time as the decode steps above, "
+             f"{s['L']} layers. Calls outside Triton beyond the bf16 step's, on either target: "
+             f"{', '.join(new) or 'none'}.", "",
+             "| B | slots | launches | bytes (MB) | vs bf16 bytes | step, 32 layers |", "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["B"], r["slot_dtype"] != "model", r["slot_dtype"])):
+        lines.append(f"| {r['B']} | {r['slot_dtype']} | {r['launches']} | {r['bytes'] / 1e6:.1f} | "
+                     f"{r['bytes'] / model[r['B']]['bytes']:.2f}x | {step_seconds(r, s) * 1e3:.2f} ms |")
+    return "\n".join(lines)
 
 
 def report_md(s: dict, ind: dict | None) -> str:
@@ -622,6 +648,8 @@ def main(argv=None) -> int:
     ap_d = sub.add_parser("decode-counts", help="lower the decode steps for a fake sm_90 and gfx942 (.venv-cuda): "
                           "kernels, launches and bytes per phase -> the JSON's decode_steps")
     ap_d.add_argument("--out", type=Path, default=INDUCTOR_JSON)
+    ap_d.add_argument("--slots", action="store_true", help="the evicting step per slot storage instead (model, "
+                      "float8_e4m3fn, int8) -> the JSON's decode_slots (issue 58)")
     ap_r = sub.add_parser("report", help="write results/gpu_cost.md and docs/gpu-internals.md's section")
     ap_r.add_argument("--check", action="store_true", help="exit 1 if a file differs from what would be written")
     args = ap.parse_args(argv)
@@ -637,8 +665,9 @@ def main(argv=None) -> int:
         sys.path.insert(0, str(HERE))
         import cost_inductor as gpu_cost_inductor
 
-        gpu_cost_inductor.run_decode(BUDGETS, DECODE_BATCHES, {k: s[k] for k in ("H", "h", "d")}, s["w"], "snapkv",
-                                     args.out)
+        run = gpu_cost_inductor.run_slots if args.slots else partial(gpu_cost_inductor.run_decode,
+                                                                     batches=DECODE_BATCHES)
+        run(BUDGETS, shp={k: s[k] for k in ("H", "h", "d")}, window=s["w"], rule="snapkv", out=args.out)
         return 0
     ind = load_inductor() if INDUCTOR_JSON.exists() else None
     want = {REPORT: report_md(s, ind), DOCS: updated_docs(DOCS.read_text(), docs_section(s, ind))}

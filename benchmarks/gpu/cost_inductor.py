@@ -26,15 +26,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _fake_inputs(n: int, S: int, shp: dict, batch: int = 1):
+def _fake_inputs(n: int, S: int, shp: dict, batch: int = 1, slot_dtype: str = "model"):
+    """A layer's marker tensors (bf16 model), its slots stored as `slot_dtype` (`kernel.slot_storage`)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from fxbudget.kernel.slot_storage import slot_shape
+
     b, H, h, d = batch, shp["H"], shp["h"], shp["d"]
     bf, i64 = torch.bfloat16, torch.long
+    storage, width = slot_shape(slot_dtype, d)
     with FakeTensorMode():
         return dict(
-            keys=torch.empty(b, h, S, d, dtype=bf), values=torch.empty(b, h, S, d, dtype=bf),
+            keys=torch.empty(b, h, S, width, dtype=storage or bf),
+            values=torch.empty(b, h, S, width, dtype=storage or bf),
             pos=torch.empty(b, h, S, dtype=i64), state=torch.empty(b, h, S), norms=torch.empty(b, h, S, 3),
             totals=torch.empty(b, h, 9), owner=torch.empty(b, h, S, dtype=torch.int32),
             k_new=torch.empty(b, h, n, d, dtype=bf), v_new=torch.empty(b, h, n, d, dtype=bf),
@@ -225,7 +230,7 @@ _KERNEL_DEF = re.compile(r"^(triton_\w+) = async_compile\.triton", re.M)
 
 
 def lower_decode_step(step: str, B: int, batch: int, arch: str, shp: dict, window: int, rule: str, *,
-                      phases: bool = True) -> dict:
+                      phases: bool = True, slot_dtype: str = "model") -> dict:
     """One decode step of one layer (8B shapes, bf16) traced as the SDPA pass traces it and lowered for `arch`:
     the three phases as one graph (the row's counts) and, with `phases`, each phase alone (`phases`): Triton
     kernels, launches, Inductor's bytes."""
@@ -240,7 +245,7 @@ def lower_decode_step(step: str, B: int, batch: int, arch: str, shp: dict, windo
     cfg = DECODE_STEPS[step]
     S = B + cfg["extra"]
     keep = S if cfg["keep_all"] else B
-    ev = _fake_inputs(1, S, shp, batch=batch)
+    ev = _fake_inputs(1, S, shp, batch=batch, slot_dtype=slot_dtype)
     rule_obj = get("window" if cfg["keep_all"] else rule)
     kt = trace_kernel(ev, rule_obj, budget=B, keep=keep, sliding=0, window=window, scale=None, block=None,
                       budget_ints=False)
@@ -272,6 +277,7 @@ def lower_decode_step(step: str, B: int, batch: int, arch: str, shp: dict, windo
         GraphLowering.codegen = orig
     whole = phases.pop("step")
     return dict(step=step, B=B, S=S, keep=keep, batch=batch, arch=arch, rule="window" if cfg["keep_all"] else rule,
+                slot_dtype=slot_dtype,
                 kernels=whole["kernels"], launches=whole["launches"],
                 bytes=whole["bytes"], fallbacks=whole["fallbacks"], externs=whole["externs"],
                 other_calls=whole["other_calls"], lower_s=whole["lower_s"], phases=phases)
@@ -325,6 +331,29 @@ def run_decode(budgets, batches, shp: dict, window: int, rule: str, out: Path, a
              "(`phases`) for a fake device (tests/fake_cuda.py, tests/fake_hip.py; Triton source only): Triton kernels (distinct), "
              "launches (every kernel run and every extern/ATen call of the output code's `call`) and "
              "GraphLowering.count_bytes(). Written by `python benchmarks/gpu/cost.py decode-counts`.",
+        rows=rows)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    return rows
+
+
+def run_slots(budgets, shp: dict, window: int, rule: str, out: Path, archs=DECODE_ARCHS,
+              storages=("model", "float8_e4m3fn", "int8")) -> list[dict]:
+    """The evicting decode step (batch 1) per slot storage, budget and arch, as one graph; written into `out` under
+    "decode_slots" (the rest of the file kept): what quantized slots cost a GPU step in Inductor's bytes."""
+    rows = []
+    for arch in archs:
+        for B in budgets:
+            for storage in storages:
+                rows.append(lower_decode_step("evicting", B, 1, arch, shp, window, rule, phases=False,
+                                              slot_dtype=storage))
+                r = rows[-1]
+                print(f"[gpu_cost inductor] decode {storage} slots {arch} B={B}: {r['launches']} launches, "
+                      f"{r['bytes'] / 1e6:.1f} MB, outside Triton {r['other_calls']}", flush=True)
+    data = json.loads(out.read_text()) if out.exists() else {}
+    data["decode_slots"] = dict(
+        note="The evicting decode step (batch 1) of one layer (Llama-3.1-8B shapes, bf16 model) per slot storage "
+             "(kernel/slot_storage.py), lowered as one graph for a fake device as decode_steps are. Written by "
+             "`python benchmarks/gpu/cost.py decode-counts --slots`.",
         rows=rows)
     out.write_text(json.dumps(data, indent=1) + "\n")
     return rows

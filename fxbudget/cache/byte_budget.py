@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..byte_size import byte_size, size_label
+from ..checks import byte_size, size_label
 from ..kernel.state import SLOT_FIELDS
 from .budget_cache import BudgetCache
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..byte_size import SLOT_DTYPES
+from ..checks import SLOT_DTYPES
 
 
 class _Parser(argparse.ArgumentParser):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-from ..byte_size import byte_size
+from ..checks import byte_size
 from .tasks import SHARED_TASKS, TASKS, load_jsonl
 
 PROTOCOLS = ("query-agnostic", "query-aware", "streaming", "multi-request", "multi-turn")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from statistics import mean
 
-from ..byte_size import SLOT_DTYPES, UNITS, size_label
+from ..checks import SLOT_DTYPES, UNITS, size_label
 from .grid import BUDGET_KINDS
 from .runner import PROTOCOLS, REFERENCE
 

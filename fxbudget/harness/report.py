@@ -9,7 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
-from ..byte_size import SLOT_DTYPES
+from ..checks import SLOT_DTYPES
 from ..kernel.settings import ALL_SIGNALS
 from ..models.embedded import by_name
 from ..models.source import RANDOM

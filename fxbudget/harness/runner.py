@@ -53,7 +53,7 @@ from . import interrupt, results
 from .branch import branch, shared_prefill
 # The grid lives in `grid` (no torch import: the CLI checks it before loading anything); re-exported here, where
 # callers have always found it.
-from ..byte_size import byte_size
+from ..checks import byte_size
 from .grid import (MULTI_PROTOCOLS, PROTOCOLS, REFERENCE, Grid, Unit, allocation, budget_fraction, budget_kind,
                    config_keys,
                    configs, plan_rows, resolve_budget, row_key, turns, units)

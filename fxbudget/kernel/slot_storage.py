@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from ..byte_size import SLOT_DTYPES
+from ..checks import SLOT_DTYPES
 from .state import LayerSlots, NewTokens
 
 SCALE_BYTES = 4  # a float32 scale per entry and head, after its codes
@@ -78,7 +78,7 @@ def encode(x: Tensor, like: Tensor) -> Tensor:
     else:
         q = (y.round().clamp(-qmax, qmax) + 8).to(torch.uint8)
         codes = q[..., 0::2] | (q[..., 1::2] << 4)
-    return torch.cat([codes, scale.view(torch.uint8).view(like.dtype)], dim=-1)
+    return torch.cat([codes, _scale_bytes(scale).view(like.dtype)], dim=-1)
 
 
 def decode(t: Tensor, d: int, dtype: torch.dtype) -> Tensor:
@@ -87,7 +87,7 @@ def decode(t: Tensor, d: int, dtype: torch.dtype) -> Tensor:
     if fmt is None:
         return t
     width = t.shape[-1] - SCALE_BYTES
-    scale = t[..., width:].contiguous().view(torch.float32)  # [..., 1]
+    scale = _scale_of(t[..., width:])  # [..., 1]
     codes = t[..., :width]
     if fmt == "int4":
         values = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2).to(torch.float32) - 8
@@ -96,6 +96,22 @@ def decode(t: Tensor, d: int, dtype: torch.dtype) -> Tensor:
     else:
         values = codes.to(torch.float32)
     return (values * scale).to(dtype)
+
+
+# The scale's float32 bits as 4 bytes (little-endian), by shifts and masks on int32 and same-size bitcasts only: a
+# bitcast between sizes (uint8[4] <-> float32) is an ATen call outside Inductor's kernels, these fuse. A scale is
+# positive, so its bits fit an int32 without a sign (the top byte is below 128).
+def _scale_bytes(scale: Tensor) -> Tensor:
+    """`[..., 1]` float32 -> `[..., 4]` uint8."""
+    bits = scale.view(torch.int32)
+    return torch.cat([(bits >> (8 * i)) & 255 for i in range(SCALE_BYTES)], dim=-1).to(torch.uint8)
+
+
+def _scale_of(raw: Tensor) -> Tensor:
+    """`_scale_bytes`' inverse, from the slot row's last 4 bytes (uint8 or int8)."""
+    b = (raw.view(torch.uint8) if raw.dtype == torch.int8 else raw).to(torch.int32)
+    bits = b[..., 0:1] | (b[..., 1:2] << 8) | (b[..., 2:3] << 16) | (b[..., 3:4] << 24)
+    return bits.view(torch.float32)
 
 
 def stored_slots(slots: LayerSlots, new: NewTokens) -> LayerSlots:

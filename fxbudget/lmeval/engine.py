@@ -56,7 +56,8 @@ class Budgeted:
         # A byte budget's tokens for this model, its dtype and the rule's layout (`cache.byte_budget`).
         spec = opts.budget
         self.byte_tokens = {spec: tokens_for_bytes(spec, model.config, dtype=next(model.parameters()).dtype,
-                                                   head_pool=resolve_head_pool(opts.rule, None))} \
+                                                   head_pool=resolve_head_pool(opts.rule, None),
+                                                   slot_dtype=opts.slot_dtype)} \
             if budget_kind(spec) == "bytes" else {}
 
     def budget_for(self, prefill_tokens: int) -> int:
@@ -77,7 +78,7 @@ class Budgeted:
         forward = self._forwards.get(key)
         if forward is None:
             fx_compile(self.model, rule=self.opts.rule, budget=budget, chunk_size=chunk, backend=self.opts.backend,
-                       block=self.opts.block, progress=False)
+                       block=self.opts.block, progress=False, slot_dtype=self.opts.slot_dtype)
             forward = self._forwards[key] = self.model.forward
         else:
             forward.install()

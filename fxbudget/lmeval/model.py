@@ -39,7 +39,7 @@ from ..api import kernel_fingerprint
 from ..fairness.fingerprint_store import cached_kernel_fingerprint
 from ..kernel.settings import signals_label
 from ..kernel.signal_set import run_signals
-from ..byte_size import byte_size
+from ..checks import byte_size
 from ..harness.grid import budget_kind
 from ..harness.tasks.ruler import find_question
 from . import loading
@@ -297,7 +297,7 @@ class FxBudgetLM(HFLM):
         if self._fingerprint is None:  # once, on the unmodified model (every forward is restored by now)
             try:  # compare's value on its probe, read from the on-disk cache when traced before
                 self._fingerprint, self._fingerprint_cached = cached_kernel_fingerprint(
-                    model, o.rule, budget=tokens, compute=kernel_fingerprint,
+                    model, o.rule, budget=tokens, compute=kernel_fingerprint, slot_dtype=o.slot_dtype,
                     signals=run_signals([o.rule]))  # the kernel `fx_compile` runs: what the rule reads
             except Exception as e:  # noqa: BLE001  (called after the evaluation: record why, do not lose its results)
                 self._fingerprint = f"unavailable: {type(e).__name__}: {e}"
@@ -306,6 +306,7 @@ class FxBudgetLM(HFLM):
             "model": self.pretrained, "rule": o.rule.name, "rule_params": o.rule.params(),
             "budget": o.budget, "budget_kind": BUDGET_WORDS[kind],
             "budget_bytes": byte_size(o.budget), "budget_tokens": tokens if kind != "percent" else None,
+            "slot_dtype": o.slot_dtype,
             "budgets_used": sorted(self.engine.budgets_used), "protocol": o.protocol,
             "allocation": "uniform" if schedule is None else f"per-layer ({o.rule.name} schedule)",
             "observation_window": o.window, "chunk_size": o.chunk_size, "rolling_call_tokens": o.rolling_call,

@@ -13,6 +13,7 @@ import torch
 from ..compiler.backend import INNER_BACKENDS, kernel_window
 from ..checks import check_int
 from ..harness.likelihood import PROTOCOLS
+from ..checks import SLOT_DTYPES
 from ..harness.runner import budget_fraction
 from ..kernel import DEFAULT_BLOCK
 from ..rules import Rule, available, canonical, get, rule_fields, unknown_rule_message
@@ -26,7 +27,7 @@ HF_ARGS = ("batch_size", "max_batch_size", "max_length", "truncation", "add_bos_
            "use_fast_tokenizer", "trust_remote_code", "revision", "think_end_token", "enable_thinking",
            "chat_template_args")
 OWN_ARGS = ("pretrained", "tokenizer", "rule", "budget", "protocol", "question_marker", "backend", "chunk_size",
-            "window", "block", "device", "dtype")
+            "window", "block", "device", "dtype", "slot_dtype")
 
 
 class ModelArgsError(ValueError):
@@ -43,7 +44,8 @@ class Options:
         percentage string such as "25%" (of the tokens each request prefills with eviction). protocol: one of
         `PROTOCOLS`. backend: a Dynamo backend of `fxbudget.compile`, or None (fxbudget's eager kernel).
         chunk_size: prefill chunk (None: one call); also the call size of loglikelihood_rolling (None: 1).
-        block: the kernel's query block. device, dtype: where and how the model runs. question_marker: where the
+        block: the kernel's query block. device, dtype: where and how the model runs. slot_dtype: how the cache
+        stores keys and values (`kernel.slot_storage`; "model" = the model's dtype). question_marker: where the
         question starts for query-agnostic (its last occurrence in each context); None: the chat template's mark.
     """
 
@@ -58,6 +60,7 @@ class Options:
     device: str
     dtype: str
     question_marker: str | None = None
+    slot_dtype: str = "model"
     hf_args: dict = field(default_factory=dict)
 
     @property
@@ -123,6 +126,10 @@ def parse(args: dict) -> Options:
     for name, value in (("chunk_size", chunk_size), ("block", block)):
         if value is not None:
             _int(name, value)
+    slot_dtype = str(args.pop("slot_dtype", "model"))
+    if slot_dtype not in SLOT_DTYPES:
+        raise ModelArgsError(f"fxbudget model_args: slot_dtype must be one of {', '.join(SLOT_DTYPES)}, got "
+                             f"{slot_dtype!r}")
     dtype = args.pop("dtype", "float32")
     if dtype not in DTYPES:
         raise ModelArgsError(f"fxbudget model_args: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -170,4 +177,4 @@ def parse(args: dict) -> Options:
                    tokenizer=None if tokenizer is None else str(tokenizer), rule=rule, budget=budget,
                    protocol=protocol, backend=None if backend in ("none", None) else backend,
                    chunk_size=chunk_size, block=block, device=device, dtype=dtype, question_marker=marker,
-                   hf_args=args)
+                   slot_dtype=slot_dtype, hf_args=args)
