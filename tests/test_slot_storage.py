@@ -12,7 +12,7 @@ import fxbudget
 from conftest import fresh, greedy, tiny_model
 from fxbudget.cache import BudgetCache
 from fxbudget.cache.byte_budget import tokens_for_bytes
-from fxbudget.kernel.slot_storage import SLOT_DTYPES, SCALE_BYTES, round_trip
+from fxbudget.kernel.slot_storage import SLOT_DTYPES, SCALE_BYTES, decode, round_trip
 
 QUANTIZED = [s for s in SLOT_DTYPES if s != "model"]
 
@@ -78,20 +78,32 @@ def test_left_padding_and_chunked_prefill_are_the_oracle():
     assert torch.equal(m.generate(ids, **kw), ref)
 
 
-@pytest.mark.parametrize("slot_dtype", QUANTIZED)
-def test_evicting_compiled_graph_equals_the_eager_kernel(slot_dtype):
-    """Under a budget that evicts, the graph pass (aot_eager) runs the same dequantize and quantize ops as eagerly:
-    the same logits and kept positions (the Inductor lowering was checked by hand; docs/api.md)."""
+CASES = [(s, "aot_eager") for s in QUANTIZED] + [pytest.param("int4", "inductor", marks=pytest.mark.inductor)]
+
+
+@pytest.mark.parametrize("slot_dtype, backend", CASES)
+def test_evicting_compiled_graph_equals_the_eager_kernel(slot_dtype, backend):
+    """Under a budget that evicts, the graph pass runs the same dequantize and quantize ops as eagerly: the same
+    logits and kept positions, and (aot_eager, the same ops) the same stored bytes. Inductor (int4, whose unpacking
+    and scale bytes are the most ops) may round x / s on the other side of a half: a code one step off, rarely."""
     model = tiny_model("llama")
     ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(5))
     runs = []
-    for backend in (None, "aot_eager"):
-        m = fxbudget.compile(fresh(model), rule="h2o", budget=12, backend=backend, slot_dtype=slot_dtype)
+    for b in (None, backend):
+        m = fxbudget.compile(fresh(model), rule="h2o", budget=12, backend=b, slot_dtype=slot_dtype)
         logits, cache = greedy(m, ids, 3)
-        runs.append((logits, cache.positions(0).clone(), cache.layers[0].keys.view(torch.uint8).clone()))
-    (l0, p0, k0), (l1, p1, k1) = runs
+        layer = cache.layers[0]
+        runs.append((logits, cache.positions(0).clone(), layer.keys.view(torch.uint8).clone(),
+                     decode(layer.keys, layer.head_dim, torch.float64)))
+    (l0, p0, k0, d0), (l1, p1, k1, d1) = runs
     torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
-    assert torch.equal(p0, p1) and torch.equal(k0, k1)
+    assert torch.equal(p0, p1)
+    if backend == "aot_eager":
+        assert torch.equal(k0, k1)
+    else:
+        step = d0.abs().amax(-1, keepdim=True) / 7
+        assert bool(((d1 - d0).abs() <= step * (1 + 1e-3) + 1e-12).all())
+        assert float((k0 != k1).float().mean()) < 0.02, float((k0 != k1).float().mean())
 
 
 def test_the_stored_bytes_are_the_codes_and_a_scale():

@@ -6,17 +6,17 @@ tensors, the marker op and every graph keep their signature, and only integer bi
 `where` of float8 may go through float32 and lose NaN bit patterns, which a scale's bytes can hold). The format is
 read off the tensor's dtype and row width (`slot_format`):
 
-| `slot_dtype`    | tensor dtype | row (bytes) | codes                                                                   |
-|-----------------|--------------|-------------|-------------------------------------------------------------------------|
-| `float8_e4m3fn` | uint8        | d + 4       | the float8_e4m3fn bits of x / s, s = absmax / 448 (e4m3's largest)       |
-| `int8`          | int8         | d + 4       | round(x / s) in [-127, 127], s = absmax / 127                           |
-| `int4`          | uint8        | d / 2 + 4   | round(x / s) + 8 in [1, 15], s = absmax / 7, two per byte (even index low) |
+| `slot_dtype`    | tensor | row (bytes) | codes                                                      |
+|-----------------|--------|-------------|------------------------------------------------------------|
+| `float8_e4m3fn` | uint8  | d + 4       | float8_e4m3fn bits of x / s, s = absmax / 448 (e4m3's max) |
+| `int8`          | int8   | d + 4       | round(x / s) in [-127, 127], s = absmax / 127              |
+| `int4`          | uint8  | d / 2 + 4   | round(x / s) + 8 in [1, 15], s = absmax / 7, two per byte  |
 
 The last 4 bytes of a row are its scale's float32 bits. `encode` writes a call's new tokens into that form when
 `evict` stores them; `decode` gives the measure phase (and the marker's plain-attention view) what the slots hold, in
 the model's dtype: the rule and the attention see the stored values. A call's own new tokens are attended in the
 model's dtype (as transformers' QuantizedCache does with its residual tokens); their per-token signals (norms) are
-measured on what will be stored (`stored`), like every cached entry's.
+measured on what will be stored (`stored_new`), like every cached entry's.
 """
 
 from __future__ import annotations
