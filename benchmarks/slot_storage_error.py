@@ -133,7 +133,10 @@ def main() -> int:
               "in float64; `K/V rel. error`: worst over every layer, entry and head of |x - stored| / absmax of the "
               "head's numbers after the prefill; `logit error`: worst absolute error of the decode steps' logits (their "
               f"standard deviation over the vocabulary is {spread:.2f} on average); `argmax`: decode steps whose "
-              f"greedy token is float64's. {time.time() - t0:.0f} s; load at the end {load_str()}.", ""]
+              f"greedy token is float64's. In bfloat16 the K/V column measures the model's own bf16 arithmetic as "
+              "much as the storage (its `model` row). The scale is per entry and head over all d numbers: a key's outlier "
+              "channels, where it has them, set the step of the others (KIVI quantizes keys per channel). "
+              f"{time.time() - t0:.0f} s; load at the end {load_str()}.", ""]
     lines += md_table(["model dtype", "slots", "K/V rel. error", "logit error", "argmax"], rows)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
