@@ -17,8 +17,8 @@ MODEL_ARGS = {
                   "Qwen2.5-Coder-0.5B-Instruct)",
     "tokenizer": "another tokenizer (a directory or a hub id; default: the model's)",
     "rule": "a registered rule, see `fxbudget rules` (default: snapkv; full is refused: run --model hf)",
-    "budget": "required: KV entries per layer and KV head (1024), or a percentage of each request's prefilled "
-              "tokens (25%)",
+    "budget": "required: KV entries per layer and KV head (1024), bytes of KV cache per sequence (256MiB), or a "
+              "percentage of each request's prefilled tokens (25%)",
     "protocol": "query-aware (default here), query-agnostic or streaming (docs/lmeval.md)",
     "question_marker": "query-agnostic only: the question starts at the last occurrence of this string",
     "window": "the observation window, for rules that have one (snapkv, pyramidkv)",
@@ -27,6 +27,7 @@ MODEL_ARGS = {
     "block": "the kernel's query block (default: one block per call)",
     "device": "cpu (default), cuda, cuda:N",
     "dtype": "float32 (default), bfloat16, float16 or auto",
+    "slot_dtype": "how the cache stores keys and values: model (default), float8_e4m3fn, int8 or int4",
 }
 
 
