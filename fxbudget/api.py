@@ -13,16 +13,15 @@ from .models.architectures import check_model
 from .compiler.backend import INNER_BACKENDS
 from .compiler.buckets import bucket_length  # noqa: F401  (re-export)
 from .cache.budget_cache import BudgetCache  # noqa: F401  (re-export)
-from .checks import check_int
+from .checks import byte_size, check_int, check_slot_dtype
 from .fairness.fingerprint import captured_graphs as _captured_graphs  # noqa: F401  (re-export)
 from .fairness.fingerprint import graph_fingerprint, inspect, kernel_fingerprint  # noqa: F401  (re-export)
 from .compiler.forward import ATTN_IMPLEMENTATION, BudgetForward, frozen_runner  # noqa: F401  (re-export)
 from .kernel import DEFAULT_BLOCK, check_block
 from .kernel.flex_measure import CPU_INDUCTOR
 from .kernel.settings import MeasureSpec, check_measure
-from .kernel.slot_storage import check_slot_dtype
 from .kernel.signal_set import run_signals
-from .cache.byte_budget import byte_size, tokens_for_bytes
+from .cache.byte_budget import model_tokens_for_bytes
 from .cache.rope import rope_refusal_for
 from .cache.for_model import (  # noqa: F401  (re-export)
     check_rule_budget, layer_devices, model_cache, output_projections, resolve_head_pool)
@@ -71,9 +70,8 @@ def _token_budget(model: nn.Module, budget, rule: Rule, head_pool: bool | None,
     if not isinstance(model, nn.Module) or getattr(model, "config", None) is None:
         raise ValueError(f"budget={budget!r}: a byte budget needs a model with a .config (its layers, KV heads and "
                          "head size give the bytes of an entry); pass a token budget (an int)")
-    dtype = next(model.parameters()).dtype
-    return tokens_for_bytes(budget, model.config, dtype=dtype, head_pool=resolve_head_pool(rule, head_pool),
-                            slot_dtype=slot_dtype), size
+    return model_tokens_for_bytes(budget, model, head_pool=resolve_head_pool(rule, head_pool),
+                                  slot_dtype=slot_dtype), size
 
 
 def compile(model: nn.Module, rule: str | Rule = "snapkv", budget: int | str = 1024, *, chunk_size: int | None = None,

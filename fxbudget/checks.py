@@ -27,6 +27,17 @@ def nearest(name: str, known, cutoff: float = 0.6) -> str | None:
 
 # How slots store keys and values: the model's dtype, or quantized with a float32 scale per entry and head.
 SLOT_DTYPES = ("model", "float8_e4m3fn", "int8", "int4")
+
+
+def check_slot_dtype(slot_dtype) -> str:
+    """`slot_dtype` as a `SLOT_DTYPES` name (None = "model"). Raises `ValueError` listing the known ones."""
+    name = "model" if slot_dtype is None else str(slot_dtype).removeprefix("torch.")
+    if name not in SLOT_DTYPES:
+        raise ValueError(f"slot_dtype must be one of {', '.join(SLOT_DTYPES)} (None = the model's dtype), got "
+                         f"{slot_dtype!r}")
+    return name
+
+
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG]i?B|B)")
 

@@ -12,7 +12,8 @@ import fxbudget
 from conftest import fresh, greedy, tiny_model
 from fxbudget.cache import BudgetCache
 from fxbudget.cache.byte_budget import tokens_for_bytes
-from fxbudget.kernel.slot_storage import SLOT_DTYPES, SCALE_BYTES, decode, round_trip
+from fxbudget.checks import SLOT_DTYPES
+from fxbudget.kernel.slot_storage import SCALE_BYTES, decode, round_trip
 
 QUANTIZED = [s for s in SLOT_DTYPES if s != "model"]
 

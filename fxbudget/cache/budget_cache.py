@@ -15,10 +15,10 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..checks import check_int
+from ..checks import check_int, check_slot_dtype
 from ..passes.eager import require_interceptor
 from ..kernel.signals import TOKEN_SIGNALS, out_projection_factors, unknown_wo
-from ..kernel.slot_storage import check_slot_dtype, slot_shape
+from ..kernel.slot_storage import slot_shape
 from ..kernel.state import SLOT_FIELDS, TOTALED, LayerConstants, LayerSlots, NewTokens, marker_tensors
 from ..models.architectures import layer_shapes
 from ..models.layer_config import layer_inv_freq, layer_windows, text_config
@@ -234,7 +234,7 @@ class BudgetCache(Cache):
             one pool the heads share, so a head-adaptive rule (`AdaKV`) can spread the layer's `kv_heads x budget`
             entries unevenly over the heads in the same memory (docs/DESIGN.md). A uniform rule runs on it too (its
             kept sets are the unpooled layout's). Sliding layers are never pooled.
-        slot_dtype: how slots store keys and values (`kernel.slot_storage.SLOT_DTYPES`): None or "model" in
+        slot_dtype: how slots store keys and values (`checks.SLOT_DTYPES`): None or "model" in
             `dtype`; "float8_e4m3fn", "int8" or "int4" quantized per entry and head with a float32 scale (a kernel
             setting: the measure phase and the rule read the stored values; a call's new tokens are attended in
             `dtype`). `kv_bytes` and `held_kv_bytes` count the stored bytes, scales included.

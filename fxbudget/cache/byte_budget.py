@@ -50,5 +50,11 @@ def tokens_for_bytes(spec: str, config, *, dtype: torch.dtype, head_pool: bool =
     return tokens
 
 
+def model_tokens_for_bytes(spec: str, model, *, head_pool: bool, slot_dtype: str | None = None) -> int:
+    """`tokens_for_bytes` for a loaded model: its config, and its dtype now."""
+    return tokens_for_bytes(spec, model.config, dtype=next(model.parameters()).dtype, head_pool=head_pool,
+                            slot_dtype=slot_dtype)
+
+
 def _bytes(n: int) -> str:
     return f"{n} B" if n < 1024 else f"{n} B = {size_label(n)}"

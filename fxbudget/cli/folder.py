@@ -1,6 +1,6 @@
-"""One folder, one grid: `fxbudget compare --out DIR` refuses a folder whose rows are of another model, dtype, device
-protocol or signal set than the command's. Resuming would otherwise pool them into one report (rows of two models read as one
-grid, their two kernels as "rules did not run the same kernel"). Runs of different settings go to their own folders;
+"""One folder, one grid: `fxbudget compare --out DIR` refuses a folder whose rows are of another model, dtype, slot
+storage, device, protocol or signal set than the command's. Resuming would otherwise pool them into one report (rows
+of two models read as one grid, their two kernels as "rules did not run the same kernel"). Runs of different settings go to their own folders;
 `fxbudget report DIR1 DIR2` reads several on purpose."""
 
 from __future__ import annotations

@@ -140,7 +140,9 @@ def byte_tokens(grid, config, dtype: str, model: str) -> dict[str, int]:
         UsageError: a byte budget below one entry per layer and KV head (it says the smallest that works), or a
             model with no layer a budget limits.
     """
-    specs = [b for b in grid.budgets if isinstance(b, str) and b.endswith("B")]
+    from ..harness.grid import budget_kind
+
+    specs = [b for b in grid.budgets if budget_kind(b) == "bytes"]
     if not specs or config is None:
         return {}
     import torch

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-from ..checks import byte_size
+from ..checks import byte_size, check_slot_dtype
 from .tasks import SHARED_TASKS, TASKS, load_jsonl
 
 PROTOCOLS = ("query-agnostic", "query-aware", "streaming", "multi-request", "multi-turn")
@@ -108,7 +108,7 @@ class Grid:
     # The kernel's signal set (a kernel setting, like the window): None measures what the run's rules read (the
     # union, `kernel.signal_set.run_signals`), "all" every signal (to pool the rows with other runs').
     signals: str | None = None
-    # How the caches store keys and values (`kernel.slot_storage.SLOT_DTYPES`; a kernel setting): "model" = the
+    # How the caches store keys and values (`checks.SLOT_DTYPES`; a kernel setting): "model" = the
     # model's dtype; "float8_e4m3fn", "int8" or "int4" quantized per entry and head.
     slot_dtype: str = "model"
 
@@ -159,8 +159,6 @@ class Grid:
             raise ValueError(f"lengths must be positive ints, got {self.lengths!r}")
         if not self.budgets:
             raise ValueError("budgets must not be empty")
-        from ..kernel.slot_storage import check_slot_dtype
-
         check_slot_dtype(self.slot_dtype)
         kinds = {budget_kind(b) for b in self.budgets}  # raises on a malformed budget
         for r in self.rules:  # e.g. AdaKV: an absolute budget below the tokens its rule protects in every head

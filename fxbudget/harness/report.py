@@ -168,10 +168,12 @@ def _header(rows: list[dict], sort: str) -> list[str]:
     sets = signal_sets(budgeted)
     storages = sorted({r.get("slot_dtype") or "model" for r in budgeted}, key=SLOT_DTYPES.index)
     # Kernel settings that change the graphs: the signal set and the slot storage (one fingerprint per pair).
-    kernels = {(r.get("signals") or ALL_SIGNALS, r.get("slot_dtype") or "model") for r in budgeted}
+    def kernel(r):
+        return r.get("signals") or ALL_SIGNALS, r.get("slot_dtype") or "model"
+
+    kernels = {kernel(r) for r in budgeted}
     per_set = len(kernels) > 1 and len(prints) == len(kernels) and all(
-        len({r["kernel_fingerprint"] for r in budgeted
-             if (r.get("signals") or ALL_SIGNALS, r.get("slot_dtype") or "model") == k}) == 1 for k in kernels)
+        len({r["kernel_fingerprint"] for r in budgeted if kernel(r) == k}) == 1 for k in kernels)
     per_what = " and ".join(w for w, n in (("signal set", len(sets)), ("slot storage", len(storages))) if n > 1)
     windows = sorted({r["window"] for r in rows if r.get("window") is not None})
     blocks = sorted({str(r.get("block") or "automatic") for r in rows if r["rule"] != REFERENCE})

@@ -43,7 +43,7 @@ from torch import nn
 from ..api import BudgetForward, frozen_runner, kernel_fingerprint
 from ..api import compile as fx_compile
 from ..compiler.backend import kernel_window
-from ..cache.byte_budget import tokens_for_bytes
+from ..cache.byte_budget import model_tokens_for_bytes
 from ..cache.keyword import output_cache
 from ..fairness.fingerprint_store import cached_kernel_fingerprint
 from ..kernel.settings import signals_label
@@ -294,10 +294,8 @@ class Runner:
         """The token budget of `spec` for a context of `context_tokens`: a byte budget's from the model's entry size
         at its dtype and the run's layout (`cache.byte_budget`), the same for every sample."""
         if budget_kind(spec) == "bytes" and spec not in self._byte_tokens:
-            self._byte_tokens[spec] = tokens_for_bytes(spec, self.model.config,
-                                                       dtype=next(self.model.parameters()).dtype,
-                                                       head_pool=self.layout == "head-pool",
-                                                       slot_dtype=self.grid.slot_dtype)
+            self._byte_tokens[spec] = model_tokens_for_bytes(spec, self.model, head_pool=self.layout == "head-pool",
+                                                             slot_dtype=self.grid.slot_dtype)
         return resolve_budget(spec, context_tokens, self._byte_tokens)
 
     def _fingerprint(self, rule) -> str:

@@ -112,9 +112,10 @@ def measure(
     if "acc_attn" in measured:  # the carried state is updated only by a kernel that measures attention
         found["acc_attn"] = torch.cat([slots.state, slots.state.new_zeros(b, h, n)], dim=2).to(acc) + attn
     # Cached entries' per-token signals were stored when they were written: no second pass over the K/V cache.
-    written = stored_new(new, as_stored)  # what the slots will hold of the new tokens (quantized slots)
-    found.update({name: torch.cat([slots.norms[..., i].to(acc), fn(written, const, acc)], dim=-1)
-                  for i, (name, fn) in enumerate(TOKEN_SIGNALS.items()) if name in measured})
+    if measured & set(TOKEN_SIGNALS):  # measured on what the slots will hold of the new tokens (quantized slots)
+        written = stored_new(new, as_stored)
+        found.update({name: torch.cat([slots.norms[..., i].to(acc), fn(written, const, acc)], dim=-1)
+                      for i, (name, fn) in enumerate(TOKEN_SIGNALS.items()) if name in measured})
     # A `Signals` field measured nowhere fails here; a measured one outside the run's set is left out.
     signals = {name: found[name] for name in SIGNAL_NAMES if name in measured or name not in MEASURED_SIGNALS}
     return out, signal_totals(signals), signals

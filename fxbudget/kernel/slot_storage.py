@@ -26,21 +26,11 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from ..checks import SLOT_DTYPES
 from .state import LayerSlots, NewTokens
 
 SCALE_BYTES = 4  # a float32 scale per entry and head, after its codes
 _STORAGE = {"float8_e4m3fn": torch.uint8, "int8": torch.int8, "int4": torch.uint8}
 _QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0, "int4": 7.0}
-
-
-def check_slot_dtype(slot_dtype) -> str:
-    """`slot_dtype` as a `SLOT_DTYPES` name (None = "model"). Raises `ValueError` listing the known ones."""
-    name = "model" if slot_dtype is None else str(slot_dtype).removeprefix("torch.")
-    if name not in SLOT_DTYPES:
-        raise ValueError(f"slot_dtype must be one of {', '.join(SLOT_DTYPES)} (None = the model's dtype), got "
-                         f"{slot_dtype!r}")
-    return name
 
 
 def slot_format(t: Tensor, d: int) -> str | None:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ..api import compile as fx_compile
-from ..cache.byte_budget import tokens_for_bytes
+from ..cache.byte_budget import model_tokens_for_bytes
 from ..cache.for_model import resolve_head_pool
 from ..harness.likelihood import scratch
 from ..harness.grid import budget_kind
@@ -55,9 +55,8 @@ class Budgeted:
         self.budgets_used: set[int] = set()  # the absolute budgets run (one per distinct prefill length if relative)
         # A byte budget's tokens for this model, its dtype and the rule's layout (`cache.byte_budget`).
         spec = opts.budget
-        self.byte_tokens = {spec: tokens_for_bytes(spec, model.config, dtype=next(model.parameters()).dtype,
-                                                   head_pool=resolve_head_pool(opts.rule, None),
-                                                   slot_dtype=opts.slot_dtype)} \
+        self.byte_tokens = {spec: model_tokens_for_bytes(spec, model, head_pool=resolve_head_pool(opts.rule, None),
+                                                         slot_dtype=opts.slot_dtype)} \
             if budget_kind(spec) == "bytes" else {}
 
     def budget_for(self, prefill_tokens: int) -> int:

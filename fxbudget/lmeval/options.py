@@ -13,7 +13,7 @@ import torch
 from ..compiler.backend import INNER_BACKENDS, kernel_window
 from ..checks import check_int
 from ..harness.likelihood import PROTOCOLS
-from ..checks import SLOT_DTYPES
+from ..checks import check_slot_dtype
 from ..harness.runner import budget_fraction
 from ..kernel import DEFAULT_BLOCK
 from ..rules import Rule, available, canonical, get, rule_fields, unknown_rule_message
@@ -126,10 +126,10 @@ def parse(args: dict) -> Options:
     for name, value in (("chunk_size", chunk_size), ("block", block)):
         if value is not None:
             _int(name, value)
-    slot_dtype = str(args.pop("slot_dtype", "model"))
-    if slot_dtype not in SLOT_DTYPES:
-        raise ModelArgsError(f"fxbudget model_args: slot_dtype must be one of {', '.join(SLOT_DTYPES)}, got "
-                             f"{slot_dtype!r}")
+    try:
+        slot_dtype = check_slot_dtype(args.pop("slot_dtype", "model"))
+    except ValueError as e:
+        raise ModelArgsError(f"fxbudget model_args: {e}") from None
     dtype = args.pop("dtype", "float32")
     if dtype not in DTYPES:
         raise ModelArgsError(f"fxbudget model_args: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
