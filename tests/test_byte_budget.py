@@ -97,6 +97,7 @@ def test_too_small_and_unbudgeted_models_say_what_works():
         tokens_for_bytes("1MiB", sliding, dtype=torch.float32)
 
 
+@pytest.mark.newest
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_a_covering_byte_budget_is_the_unmodified_model(arch):
     model = tiny_model(arch)
