@@ -75,6 +75,39 @@ def test_branch_equals_separate_run(prefilled, rule, params, prefill_window):
             model.forward.restore()
 
 
+# Quantized slots: the per-token signals, the sliding layers and the slots the rule reads are of the stored values;
+# a norm rule, the kernel-replay path (another window) and the head-pooled layout each read them differently.
+SLOT_CASES = [("knorm", {}), ("snapkv", {"window": 8}), ("adakv:snapkv", {"window": 4})]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("storage", ["float8_e4m3fn", "int8", "int4"])
+@pytest.mark.parametrize("rule, params", SLOT_CASES, ids=[r for r, _ in SLOT_CASES])
+def test_branch_into_quantized_slots_equals_separate_run(arch, storage, rule, params):
+    model = tiny_model(arch, layers=3)
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(3))
+    sp = shared_prefill(model, ids, slot_dtype=storage)
+    plain = shared_prefill(model, ids)  # of the model dtype's values: refused below
+    with torch.no_grad():
+        m = fxbudget.compile(model, rule=rule, budget=12, backend=None, headroom=4, slot_dtype=storage, **params)
+        try:
+            separate = m.forward.new_cache(2)
+            out = m(input_ids=ids, past_key_values=separate, logits_to_keep=1)
+            branched = m.forward.new_cache(2)
+            branch(sp, branched, m.forward.rule)
+            for i, (a, b) in enumerate(zip(separate.layers, branched.layers)):
+                for name in SLOT_TENSORS:
+                    assert torch.equal(getattr(a, name), getattr(b, name)), (i, name)
+            assert separate.layers[0].keys.dtype in (torch.uint8, torch.int8)  # it did store codes
+            assert torch.equal(out.logits[:, -1], sp.logits)
+            tok = sp.logits.argmax(-1, keepdim=True)
+            assert torch.equal(greedy(m, tok, 5, separate)[0], greedy(m, tok, 5, branched)[0])
+            with pytest.raises(ValueError, match="recorded for them"):  # a prefill of the model dtype's values
+                branch(plain, m.forward.new_cache(2), m.forward.rule)
+        finally:
+            model.forward.restore()
+
+
 def test_branch_refuses_used_or_foreign_cache(prefilled):
     model, ids, prefills = prefilled
     sp = prefills[None]

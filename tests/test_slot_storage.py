@@ -193,7 +193,7 @@ def test_compare_spends_equal_bytes_in_each_storage(tiny_dir, tmp_path, capsys):
         assert {r["slot_dtype"] for r in rows} == {storage}
         assert {r["budget"] for r in budgeted} == {tokens_for_bytes("8KiB", config, dtype=torch.float32,
                                                                     slot_dtype=storage)}
-        assert all(r["shared_prefill"] == (storage == "model") for r in budgeted)
+        assert all(r["shared_prefill"] for r in budgeted)  # branched into either storage (tests/test_branch.py)
         runs[storage] = budgeted
     assert runs["int4"][0]["budget"] > 2 * runs["model"][0]["budget"]
     assert runs["int4"][0]["kernel_fingerprint"] != runs["model"][0]["kernel_fingerprint"]

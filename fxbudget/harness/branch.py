@@ -24,6 +24,7 @@ from ..kernel import (DEFAULT_BLOCK, DEFAULT_WINDOW, SIGNAL_NAMES, TOTALED, Laye
 from ..kernel.settings import MEASURED_SIGNALS, MeasureSpec
 from ..kernel.signal_set import run_signals
 from ..kernel.signals import TOKEN_SIGNALS
+from ..kernel.slot_storage import stored_slots
 from ..rules import Rule, get
 from ..rules.base import Signals
 
@@ -60,7 +61,7 @@ class SharedPrefill:
 
 
 def shared_prefill(model: nn.Module, input_ids: Tensor, *, window: int = DEFAULT_WINDOW,
-                   block: int | None = DEFAULT_BLOCK) -> SharedPrefill:
+                   block: int | None = DEFAULT_BLOCK, slot_dtype: str = "model") -> SharedPrefill:
     """Run `model` once on `input_ids` (unmodified HF causal LM, one call on an empty cache) and record it.
 
     Args:
@@ -68,6 +69,8 @@ def shared_prefill(model: nn.Module, input_ids: Tensor, *, window: int = DEFAULT
         input_ids: `[batch, n]`, the whole prefill in one call.
         window: the observation window the recorded signals use; rules with another window replay the kernel.
         block: the kernel's query block (branched caches equal separate runs with the same block).
+        slot_dtype: the slot storage of the caches to branch into (`fxbudget.compile`'s): the recorded per-token
+            signals are then of the values those slots store, as a separate prefill measures them.
     Returns:
         A `SharedPrefill`. It holds every layer's queries and new keys/values (memory ~ n x layers x heads).
     """
@@ -76,7 +79,8 @@ def shared_prefill(model: nn.Module, input_ids: Tensor, *, window: int = DEFAULT
     # One slot per layer: what the record cache keeps does not matter (only its sliding layers are reused), and the
     # new tokens' signals do not depend on the number of empty slots; fewer slots make the recorded forward cheaper.
     # Every signal (`branch` drops those outside a run's set); "all" also spares the recorder a dry run.
-    fx_compile(model, rule=recorder, budget=1, backend=None, block=block, signals="all", progress=False)
+    fx_compile(model, rule=recorder, budget=1, backend=None, block=block, signals="all", progress=False,
+               slot_dtype=slot_dtype)
     try:
         cache = model.forward.new_cache(input_ids.shape[0])
         with torch.no_grad(), recording() as calls:
@@ -99,9 +103,10 @@ def branch(prefill: SharedPrefill, cache: BudgetCache, rule: Rule | str, signals
     """
     if cache.tokens_seen:
         raise ValueError("branch() needs an empty cache")
-    if cache.slot_dtype != "model":  # its recorded norms and slots are the model dtype's, not the stored values'
-        raise NotImplementedError(f"branch() of a shared prefill into {cache.slot_dtype} slots is not built: run "
-                                  "each prefill on its own (compare --no-share-prefill)")
+    if cache.slot_dtype != prefill.cache.slot_dtype:  # recorded norms (and sliding layers) are of stored values
+        raise ValueError(f"branch() into {cache.slot_dtype} slots needs a shared prefill recorded for them "
+                         f"(shared_prefill(..., slot_dtype={cache.slot_dtype!r}); this one: "
+                         f"{prefill.cache.slot_dtype!r})")
     if cache.signature != prefill.cache.signature or cache.batch_size != prefill.cache.batch_size:
         raise ValueError("branch() needs a cache for the model and batch size of the shared prefill")
     rule = get(rule)
@@ -137,7 +142,7 @@ def _evict_from_signals(rec: dict, layer, new, rule: Rule, window: int, measured
     position -1, each as the layer's layout hands its slots to `measure` (`Layout.view`)."""
     lay = layout(layer.pooled)
     slots = layer.kernel_slots()
-    view = lay.view(slots)
+    view = lay.view(stored_slots(slots, new))  # quantized slots: the rule reads the values they store
     slot_part = {"pos": view.pos, "acc_attn": view.state, "k_slots": view.keys, "v_slots": view.values,
                  **{name: view.norms[..., i] for i, name in enumerate(TOKEN_SIGNALS)}}
     sig = {}

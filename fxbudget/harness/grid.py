@@ -215,8 +215,7 @@ class Grid:
     @property
     def shares_prefill(self) -> bool:
         """Whether rules share one prefill per sample (on the eager kernel): it must be a single call."""
-        # Quantized slots: a shared prefill's recorded signals are of the model dtype's values (`branch` refuses).
-        return self.share_prefill and self.chunk_size is None and self.slot_dtype == "model"
+        return self.share_prefill and self.chunk_size is None
 
 
 @dataclass(frozen=True)

@@ -338,7 +338,7 @@ class Runner:
                                         for _, rule, _ in group):
                 peak = Peak(prefill_ids.device)
                 with Clock() as c:
-                    shared = shared_prefill(model, prefill_ids)
+                    shared = shared_prefill(model, prefill_ids, slot_dtype=g.slot_dtype)
                 shared_s, shared_peak = c.run, peak.read()
                 self.run_s += c.run
             for protocol, rule_name, spec in group:
