@@ -25,8 +25,9 @@ def nearest(name: str, known, cutoff: float = 0.6) -> str | None:
     return folded[near[0]] if near else None
 
 
-# How slots store keys and values: the model's dtype, or quantized with a float32 scale per entry and head.
-SLOT_DTYPES = ("model", "float8_e4m3fn", "int8", "int4")
+# How slots store keys and values: the model's dtype, quantized with a float32 scale per entry and head, or cast
+# to bfloat16 (16-bit slots of a float32 model).
+SLOT_DTYPES = ("model", "float8_e4m3fn", "int8", "int4", "bfloat16")
 
 
 def check_slot_dtype(slot_dtype) -> str:

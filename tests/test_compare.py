@@ -120,7 +120,7 @@ def test_relative_budgets_and_protocols_in_one_run(tiny_dir, tmp_path, monkeypat
     distinct prefilled sequence (query-agnostic and streaming share the context's); the reference runs once."""
     prefills = []
     real = runner.shared_prefill
-    monkeypatch.setattr(runner, "shared_prefill", lambda model, ids: prefills.append(ids.shape[1]) or real(model, ids))
+    monkeypatch.setattr(runner, "shared_prefill", lambda model, ids, **kw: prefills.append(ids.shape[1]) or real(model, ids, **kw))
     out = tmp_path / "rel"
     assert main(["compare", "--model", tiny_dir, "--tasks", "passkey", "--lengths", "300", "--rules",
                  "full,snapkv,h2o", "--budgets", "10%,100%", "--samples", "2", "--max-new-tokens", "4", "--quiet",

@@ -139,13 +139,27 @@ def test_the_stored_bytes_are_the_codes_and_a_scale():
     config = tiny_model("llama").config  # 2 layers, 2 KV heads, head_dim 16
     full = BudgetCache(config, 10)
     for slot_dtype, row in (("float8_e4m3fn", 16 + SCALE_BYTES), ("int8", 16 + SCALE_BYTES),
-                            ("int4", 8 + SCALE_BYTES)):
+                            ("int4", 8 + SCALE_BYTES), ("bfloat16", 16 * 2)):
         cache = BudgetCache(config, 10, slot_dtype=slot_dtype)
         assert cache.kv_bytes() == 2 * 2 * 10 * 2 * row
         assert full.kv_bytes() == 2 * 2 * 10 * 2 * 16 * 4
     # a byte budget buys more entries in fewer bits
     tokens = {s: tokens_for_bytes("64KiB", config, dtype=torch.float32, slot_dtype=s) for s in SLOT_DTYPES}
-    assert tokens["model"] < tokens["float8_e4m3fn"] == tokens["int8"] < tokens["int4"]
+    assert tokens["model"] < tokens["bfloat16"] < tokens["float8_e4m3fn"] == tokens["int8"] < tokens["int4"]
+
+
+def test_bfloat16_slots_of_a_bfloat16_model_are_the_model_dtype():
+    """A cast to the model's own dtype is no cast: the same logits and slots, bit for bit."""
+    model = tiny_model("gemma3").to(torch.bfloat16)
+    ids = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(2))
+    outs = {}
+    for storage in ("model", "bfloat16"):
+        m = fxbudget.compile(fresh(model), rule="knorm", budget=12, backend=None, slot_dtype=storage)
+        outs[storage] = greedy(m, ids, 4)
+        m.forward.restore()
+    assert torch.equal(outs["model"][0], outs["bfloat16"][0])
+    for a, b in zip(outs["model"][1].layers, outs["bfloat16"][1].layers):
+        assert torch.equal(a.keys, b.keys) and a.keys.dtype == torch.bfloat16
 
 
 def test_held_bytes_follow_the_storage():

@@ -195,8 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "run's rules read (one set for every rule, recorded in each row); 'all' measures every signal, so "
                    "the rows' cost columns pool with other runs'")
     c.add_argument("--slot-dtype", choices=SLOT_DTYPES, default="model", help="how the cache stores keys and "
-                   "values (a kernel setting): the model's dtype, or quantized with a float32 scale per entry and "
-                   "head; a byte budget buys more entries in fewer bits. Quantized slots run every prefill on its own")
+                   "values (a kernel setting): the model's dtype, quantized with a float32 scale per entry and head, or "
+                   "bfloat16 (16-bit slots of a float32 model); a byte budget buys more entries in fewer bits")
     c.add_argument("--no-share-prefill", action="store_true", help="run every rule's prefill separately")
     c.add_argument("--param", action="append", default=[], help="rule hyperparameter, e.g. snapkv.window=64")
     _rule_file_option(c)

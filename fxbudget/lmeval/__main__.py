@@ -27,7 +27,7 @@ MODEL_ARGS = {
     "block": "the kernel's query block (default: one block per call)",
     "device": "cpu (default), cuda, cuda:N",
     "dtype": "float32 (default), bfloat16, float16 or auto",
-    "slot_dtype": "how the cache stores keys and values: model (default), float8_e4m3fn, int8 or int4",
+    "slot_dtype": "how the cache stores keys and values: model (default), float8_e4m3fn, int8, int4 or bfloat16",
 }
 
 
