@@ -51,16 +51,21 @@ def _model(quick: bool, device: str):
 
 
 def _fill_budget(cache, ctx: int, gen) -> None:
-    """A BudgetCache as after `ctx` tokens: every slot holds a random key/value at a distinct earlier position."""
+    """A BudgetCache as after `ctx` tokens: every slot holds a random key/value at a distinct earlier position (in
+    the cache's slot storage: quantized slots hold the codes and scales of the random values, norms of what they
+    store)."""
     import torch
 
+    from fxbudget.kernel.slot_storage import decode, encode
+
     for layer in cache.layers:  # drawn on the CPU generator, then copied (any device)
-        layer.keys.copy_(torch.randn(layer.keys.shape, generator=gen))
-        layer.values.copy_(torch.randn(layer.values.shape, generator=gen))
+        for t, d in ((layer.keys, layer.head_dim), (layer.values, layer.v_head_dim)):
+            x = torch.randn((*t.shape[:-1], d), generator=gen).to(t.device)
+            t.copy_(encode(x.to(layer.dtype), t))
         pos = torch.sort(torch.randperm(ctx, generator=gen)[:layer.budget]).values.to(layer.pos.device)
         layer.pos[..., :layer.budget].copy_(pos.expand_as(layer.pos[..., :layer.budget]))
-        layer.norms[..., 0].copy_(layer.keys.norm(dim=-1))
-        layer.norms[..., 1].copy_(layer.values.norm(dim=-1))
+        layer.norms[..., 0].copy_(decode(layer.keys, layer.head_dim, layer.dtype).norm(dim=-1))
+        layer.norms[..., 1].copy_(decode(layer.values, layer.v_head_dim, layer.dtype).norm(dim=-1))
         layer.seen.fill_(ctx)
     cache.next_pos.fill_(ctx)  # the next token's position (RoPE and visibility): after every slot's
     cache.admit(cache.budget)

@@ -45,6 +45,10 @@ def test_dry_run_runs_every_step(tmp_path):
     assert checks and all(r["ok"] for r in checks), [r for r in checks if not r["ok"]]
     assert {r["step"] for r in rows if r["kind"] == "key"} == set(steps)  # every step reached its key numbers
     assert {r["side"] for r in rows if r["kind"] == "prefill"} == {"full", "eager", "compiled"}
+    # Issue 58: the decode step with the dry run's second slot storage, beside the model-dtype one, at its budget.
+    quantized = [r for r in rows if r["kind"] == "decode" and r.get("slot_dtype")]
+    assert [(r["side"], r["budget"]) for r in quantized] == [("fxbudget B=32 evicting, int8 slots", 32)], quantized
+    assert quantized[0]["ms"] > 0 and quantized[0]["kv_bytes"] > 0
     # The main job (issue 55): compare end to end per backend, its rows and report folded into rows.jsonl.
     runs = [r for r in rows if r["kind"] == "compare-run"]
     assert [r["backend"] for r in runs] == ["none", "aot_eager"] and all(r["rc"] == 0 for r in runs), runs

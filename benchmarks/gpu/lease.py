@@ -35,7 +35,9 @@ is rewritten after every step; 3 files in all):
   `--decode-batches` (compiled, CUDA graphs on CUDA) against the full cache (transformers' DynamicCache at each of
   `--decode-contexts`, uncompiled, batch 1; StaticCache under `torch.compile(mode="reduce-overhead")` on CUDA over B
   entries, the kernel's own overhead, and over each context, what a budget saves): benchmarks/deploy_decode.py's
-  cache fillers, interleaved steps, medians; compile seconds.
+  cache fillers, interleaved steps, medians; compile seconds. Each storage of `--decode-slot-dtypes` but the first
+  (issue 58: fp8 slots against the model's bf16 ones) adds, last (a time box cuts it first), the evicting step at the
+  largest budget, batch 1, in that slot storage (`fxbudget.compile(slot_dtype=...)`): the same kernel reading its slots dequantized.
 - `spread`: the decode step of `--spread-rules` (>= 10 rules) through the one compiled kernel at the 8B config's
   attention shapes in bf16 (benchmarks/benchlib's `LayerCase`, CUDA graphs on CUDA), interleaved: max/min.
 
@@ -89,14 +91,15 @@ LEASE = dict(device="cuda", backend="inductor", correct_layers=4, correct_tokens
              cost_config="llama-3.1-8b", cost_layers=2, prefill_lengths="8192,32768,131072", prefill_budget=1024,
              prefill_rules="snapkv",
              decode_budgets="1024,4096", decode_contexts="32768,131072", decode_steps=20, decode_intervals="1",
-             decode_batches="1",
+             decode_batches="1", decode_slot_dtypes="model,float8_e4m3fn",
              spread_rules=SPREAD_RULES, spread_budget=4096, spread_reps=50, tests_files="auto",
              compare_layers=2, compare_rules="snapkv,streamingllm,h2o,knorm", compare_budgets="256,1024",
              compare_lengths="8000,32000", compare_samples=2, compare_backends="none,inductor")
 DRY = dict(LEASE, device="cpu", backend="aot_eager", correct_layers=2, correct_tokens=40, correct_steps=3,
            correct_budget=12, kept_rules="snapkv,knorm,h2o", inductor_rules="knorm", fingerprint_rules="snapkv,knorm",
            cost_layers=1, prefill_lengths="48,96", prefill_budget=16, decode_budgets="16,32", decode_contexts="64,128",
-           decode_intervals="1,8", decode_batches="1,2", prefill_rules="snapkv,h2o",
+           decode_intervals="1,8", decode_batches="1,2", decode_slot_dtypes="model,int8",
+           prefill_rules="snapkv,h2o",
            decode_steps=3, spread_rules="knorm,snapkv", spread_budget=32, spread_reps=3,
            compare_layers=1, compare_rules="snapkv,h2o", compare_budgets="32", compare_lengths="300",
            compare_samples=1, compare_backends="none,aot_eager")
@@ -459,6 +462,16 @@ def step_prefill(a, rows: Rows, side: str) -> None:
                        for r in got))
 
 
+def _mark_static(cache) -> None:
+    """The cache's tensors as static addresses: CUDA graphs replay on them in place."""
+    import torch
+
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values, layer.pos, layer.state, layer.norms, layer.totals, layer.seen,
+                  layer.inv_freq):
+            torch._dynamo.mark_static_address(t)
+
+
 def step_decode(a, rows: Rows) -> None:
     """Each side is timed as soon as it is set up (cheapest first: the uncompiled full caches, then fxbudget's
     compiled budgets, then the compiled full caches), its row written at once: a time box that cuts the step keeps
@@ -520,10 +533,7 @@ def step_decode(a, rows: Rows) -> None:
                     cache = fwd.new_cache(batch)
                     _fill_budget(cache, 2 * B, gen)
                     if cuda:
-                        for layer in cache.layers:
-                            for t in (layer.keys, layer.values, layer.pos, layer.state, layer.norms, layer.totals,
-                                      layer.seen, layer.inv_freq):
-                                torch._dynamo.mark_static_address(t)
+                        _mark_static(cache)
 
                     def fx_step(fwd=fwd, cache=cache, nxt=nxt):
                         return timed(lambda: fwd(input_ids=nxt, past_key_values=cache, logits_to_keep=1), a.device)
@@ -553,6 +563,24 @@ def step_decode(a, rows: Rows) -> None:
                     measure("-", f"StaticCache {ctx}{at}", st_step, compile_s=round(compile_s, 2), cudagraphs=True,
                             batch=batch)
                     del static, sfwd
+            for storage in a.decode_slot_dtypes.split(",")[1:] if batch == 1 else []:
+                B = max(int(x) for x in a.decode_budgets.split(","))  # the largest budget: where slot bytes weigh most
+                fwd = fxbudget.compile(model, rule="snapkv", budget=B, backend=a.backend, cudagraphs=cuda,
+                                       slot_dtype=storage, progress=False).forward
+                cache = fwd.new_cache(1)
+                _fill_budget(cache, 2 * B, gen)
+                if cuda:
+                    _mark_static(cache)
+
+                def q_step(fwd=fwd, cache=cache, nxt=nxt):
+                    return timed(lambda: fwd(input_ids=nxt, past_key_values=cache, logits_to_keep=1), a.device)
+
+                compile_s = q_step()
+                measure(form, f"fxbudget B={B} evicting, {storage} slots", q_step, compile_s=round(compile_s, 2),
+                        graphs=len(fwd.graphs), cudagraphs=cuda, batch=1, interval=1, budget=B, slot_dtype=storage,
+                        kv_bytes=cache.kv_bytes())
+                fwd.restore()
+                del cache
     del model
     if cuda:
         torch.cuda.empty_cache()
