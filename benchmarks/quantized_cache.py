@@ -136,22 +136,18 @@ def run_anchor(model, tok, backend: str, nbits: int | None, task: str, i: int) -
             "answer_logprob_mean": float(lp.mean()), "prediction": prediction, "score": score(sample, prediction)}
 
 
-def available_anchors() -> list[tuple[str, int | None]]:
-    """The anchors this install can build (optimum-quanto for `quanto`, a transformers with the `fp8` backend)."""
-    import importlib.util
-    import inspect
-
-    import transformers.cache_utils as cu
+def available_anchors(config) -> list[tuple[str, int | None]]:
+    """The anchors this install builds for `config` (optimum-quanto for `quanto`; `fp8` from transformers 5.2x),
+    each one that cannot be built said in a line."""
+    from transformers import QuantizedCache
 
     out = []
     for backend, nbits in ANCHORS:
-        if backend == "quanto" and importlib.util.find_spec("optimum.quanto") is None:
-            print(f"[quantized_cache] {anchor_name(backend, nbits)}: optimum-quanto is not installed "
-                  "(pip install 'flexbudget[anchors]'): skipped", file=sys.stderr)
-            continue
-        if backend == "fp8" and "fp8" not in inspect.getsource(cu.QuantizedCache.__init__):
-            print(f"[quantized_cache] {anchor_name(backend, nbits)}: this transformers has no fp8 backend: skipped",
-                  file=sys.stderr)
+        try:
+            QuantizedCache(backend, config, **({"nbits": nbits} if nbits else {}))
+        except (ImportError, ValueError) as e:
+            print(f"[quantized_cache] {anchor_name(backend, nbits)}: skipped: {str(e).splitlines()[0]} "
+                  "(optimum-quanto: pip install 'flexbudget[anchors]')", file=sys.stderr)
             continue
         out.append((backend, nbits))
     return out
@@ -169,7 +165,7 @@ def run_anchors(per_task: int) -> None:
     if not ENV.is_file():
         ENV.write_text(json.dumps({**env_info(), "command": "python benchmarks/quantized_cache.py " +
                                    shlex.join(sys.argv[1:])}, indent=1) + "\n")
-    for backend, nbits in available_anchors():
+    for backend, nbits in available_anchors(model.config):
         for i in range(per_task):
             for task in TASKS:
                 if (anchor_name(backend, nbits), task, i) in done:

@@ -25,6 +25,22 @@ def prefilled(request):
     return model, ids, {None: shared_prefill(model, ids)}
 
 
+def _separate_equals_branched(m, ids, sp):
+    """A prefill of `ids` through compiled `m` and a branch of `sp` into a fresh cache: every slot tensor, the
+    last logits and 5 greedy steps on from each (eviction on) identical. Returns both caches after decoding."""
+    separate = m.forward.new_cache(2)
+    out = m(input_ids=ids, past_key_values=separate, logits_to_keep=1)
+    branched = m.forward.new_cache(2)
+    branch(sp, branched, m.forward.rule)
+    for i, (a, b) in enumerate(zip(separate.layers, branched.layers)):
+        for name in SLOT_TENSORS:
+            assert torch.equal(getattr(a, name), getattr(b, name)), (i, name)
+    assert torch.equal(out.logits[:, -1], sp.logits)
+    tok = sp.logits.argmax(-1, keepdim=True)
+    assert torch.equal(greedy(m, tok, 5, separate)[0], greedy(m, tok, 5, branched)[0])
+    return separate, branched
+
+
 # (rule, its params, the shared prefill's window: None = the default)
 CASES = [(r, {"window": 4} if r == "pyramidkv" else {}, None) for r in RULES] + [
     ("snapkv", {"window": 8}, None),  # another window than the prefill's: the kernel-replay path
@@ -43,19 +59,7 @@ def test_branch_equals_separate_run(prefilled, rule, params, prefill_window):
     with torch.no_grad():
         m = fxbudget.compile(model, rule=rule, budget=12, backend=None, headroom=4, **params)
         try:
-            separate = m.forward.new_cache(2)
-            out = m(input_ids=ids, past_key_values=separate, logits_to_keep=1)
-            branched = m.forward.new_cache(2)
-            branch(sp, branched, m.forward.rule)
-            for i, (a, b) in enumerate(zip(separate.layers, branched.layers)):
-                for name in SLOT_TENSORS:
-                    assert torch.equal(getattr(a, name), getattr(b, name)), (i, name)
-            assert torch.equal(out.logits[:, -1], sp.logits)
-            # Decoding on from both caches (eviction on) stays identical.
-            tok = sp.logits.argmax(-1, keepdim=True)
-            la, _ = greedy(m, tok, 5, separate)
-            lb, _ = greedy(m, tok, 5, branched)
-            assert torch.equal(la, lb)
+            separate, _ = _separate_equals_branched(m, ids, sp)
             # It did evict: after decoding with eviction on, every budgeted layer holds exactly its budget, in every
             # row and head (pooled: the heads' budgets together, spread unevenly somewhere), of more tokens than that.
             spread = []
@@ -91,17 +95,8 @@ def test_branch_into_quantized_slots_equals_separate_run(arch, storage, rule, pa
     with torch.no_grad():
         m = fxbudget.compile(model, rule=rule, budget=12, backend=None, headroom=4, slot_dtype=storage, **params)
         try:
-            separate = m.forward.new_cache(2)
-            out = m(input_ids=ids, past_key_values=separate, logits_to_keep=1)
-            branched = m.forward.new_cache(2)
-            branch(sp, branched, m.forward.rule)
-            for i, (a, b) in enumerate(zip(separate.layers, branched.layers)):
-                for name in SLOT_TENSORS:
-                    assert torch.equal(getattr(a, name), getattr(b, name)), (i, name)
+            separate, _ = _separate_equals_branched(m, ids, sp)
             assert separate.layers[0].keys.dtype != torch.float32  # it did store codes (or bf16)
-            assert torch.equal(out.logits[:, -1], sp.logits)
-            tok = sp.logits.argmax(-1, keepdim=True)
-            assert torch.equal(greedy(m, tok, 5, separate)[0], greedy(m, tok, 5, branched)[0])
             with pytest.raises(ValueError, match="recorded for them"):  # a prefill of the model dtype's values
                 branch(plain, m.forward.new_cache(2), m.forward.rule)
         finally:

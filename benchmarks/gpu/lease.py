@@ -522,28 +522,31 @@ def step_decode(a, rows: Rows) -> None:
 
                 measure("-", f"DynamicCache {ctx}", dyn_step, build_s=build_s, batch=1)
                 del d
+            def fx_side(B, name, **setting):
+                """fxbudget's compiled step at budget B (a full cache, every slot held), in `setting`'s kernel."""
+                fwd = fxbudget.compile(model, rule="snapkv", budget=B, backend=a.backend, cudagraphs=cuda,
+                                       progress=False, **setting).forward
+                cache = fwd.new_cache(batch)
+                _fill_budget(cache, 2 * B, gen)
+                if cuda:
+                    _mark_static(cache)
+
+                def fx_step(fwd=fwd, cache=cache, nxt=nxt):
+                    return timed(lambda: fwd(input_ids=nxt, past_key_values=cache, logits_to_keep=1), a.device)
+
+                compile_s = fx_step()
+                measure(form, name, fx_step, compile_s=round(compile_s, 2), graphs=len(fwd.graphs), cudagraphs=cuda,
+                        batch=batch, budget=B, kv_bytes=cache.kv_bytes(), **setting)
+                fwd.restore()
+
             for B in (int(x) for x in a.decode_budgets.split(",")):
                 for k in intervals:
                     if k > 1 and a.decode_steps + 2 > k - 1:
                         rows.check(f"decode: interval {k} leaves room for {a.decode_steps + 2} appending steps", False,
                                    "raise --decode-intervals or lower --decode-steps")
                         continue
-                    fwd = fxbudget.compile(model, rule="snapkv", budget=B, backend=a.backend, cudagraphs=cuda,
-                                           interval=k, progress=False).forward
-                    cache = fwd.new_cache(batch)
-                    _fill_budget(cache, 2 * B, gen)
-                    if cuda:
-                        _mark_static(cache)
-
-                    def fx_step(fwd=fwd, cache=cache, nxt=nxt):
-                        return timed(lambda: fwd(input_ids=nxt, past_key_values=cache, logits_to_keep=1), a.device)
-
-                    compile_s = fx_step()
                     what = "evicting" if k == 1 else f"appending, interval {k}"
-                    measure(form, f"fxbudget B={B}{at} {what}", fx_step, compile_s=round(compile_s, 2),
-                            graphs=len(fwd.graphs), cudagraphs=cuda, batch=batch, interval=k, budget=B)
-                    fwd.restore()
-                    del cache
+                    fx_side(B, f"fxbudget B={B}{at} {what}", interval=k)
             if cuda:
                 for ctx in [*(int(x) for x in a.decode_budgets.split(",")), *contexts]:
                     # The full cache with CUDA graphs (deploy_decode.py's StaticCache side) over B entries (the
@@ -565,22 +568,7 @@ def step_decode(a, rows: Rows) -> None:
                     del static, sfwd
             for storage in a.decode_slot_dtypes.split(",")[1:] if batch == 1 else []:
                 B = max(int(x) for x in a.decode_budgets.split(","))  # the largest budget: where slot bytes weigh most
-                fwd = fxbudget.compile(model, rule="snapkv", budget=B, backend=a.backend, cudagraphs=cuda,
-                                       slot_dtype=storage, progress=False).forward
-                cache = fwd.new_cache(1)
-                _fill_budget(cache, 2 * B, gen)
-                if cuda:
-                    _mark_static(cache)
-
-                def q_step(fwd=fwd, cache=cache, nxt=nxt):
-                    return timed(lambda: fwd(input_ids=nxt, past_key_values=cache, logits_to_keep=1), a.device)
-
-                compile_s = q_step()
-                measure(form, f"fxbudget B={B} evicting, {storage} slots", q_step, compile_s=round(compile_s, 2),
-                        graphs=len(fwd.graphs), cudagraphs=cuda, batch=1, interval=1, budget=B, slot_dtype=storage,
-                        kv_bytes=cache.kv_bytes())
-                fwd.restore()
-                del cache
+                fx_side(B, f"fxbudget B={B} evicting, {storage} slots", interval=1, slot_dtype=storage)
     del model
     if cuda:
         torch.cuda.empty_cache()
