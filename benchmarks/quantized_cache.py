@@ -257,10 +257,17 @@ def report() -> str:
                               f"{1000 * sum(r['decode_s'] for r in rows) / max(1, sum(r['output_tokens'] for r in rows)):.0f}"])
     lines += md_table(["cache", "holds", "held (median)", "samples", "answer log-likelihood per token", "accuracy",
                        "fxbudget minus the anchor (paired)", "decode ms per token"], table)
+    threads = env.get("torch_threads", "?") if env else "?"
     lines += ["", "Each fxbudget cell spends its anchor's median held bytes (`--budgets` in KiB, floor; its own held "
-              "bytes beside it), on the anchor's samples. Decode time: greedy steps of each row, one torch thread, "
-              "fxbudget's eager kernel; the rows' load averages are not controlled (the grid ran beside it), so the "
-              "times are indicative, not a benchmark.", ""]
+              "bytes beside it, after decoding: the question and decoded tokens are held on top of the budget), on "
+              "the anchor's samples; the paired difference is on answer log-likelihood per token (sign-flip test, "
+              f"unadjusted). Decode time: greedy steps of each row (the anchors at {threads} torch threads, "
+              "fxbudget's rows at one, fxbudget's eager kernel); the machine was shared (see the command), so the "
+              "times are indicative, not a benchmark.", "",
+              "Where the anchor differs from fxbudget's slots besides eviction: quanto quantizes keys per channel in "
+              "groups of 64 with zero-points and keeps the latest tokens (up to 128) unquantized, fp8 keeps one "
+              "scale per layer tensor; fxbudget's `int4` is symmetric absmax per entry and head, keys and values "
+              "alike (`fxbudget.kernel.slot_storage`).", ""]
     return "\n".join(lines)
 
 
