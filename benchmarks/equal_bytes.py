@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE))
 
 from benchlib.env import ROOT, load_str  # noqa: E402
 from findings import (ACCURACY, LIKELIHOOD, METRICS, SEED, TASKS, _fmt_diff, _rel, _rows, aligned,  # noqa: E402
-                      cpu_dtype, decide, rate, rate_line)
+                      cpu_dtype, decide, rate)
 
 LENGTH = 1024
 BUDGETS = ("1MiB", "2MiB")
@@ -177,13 +177,14 @@ def _budget_section(rows: list[dict], budget: int, by_cell: dict, acc_by_cell: d
     best, worst = verdicts[0]["a"], sorted(values, key=lambda c: (-float(values[c].mean()), c))[-1]
     bw = next(v for v in verdicts if v["a"] == best and v["b"] == worst)
     tied = [v["b"] for v in verdicts if v["a"] == best and not v["separated"]]
+    below = [v["b"] for v in verdicts if v["a"] == best and v["separated"]]
     out = [f"## {_mib(budget)} of KV cache", "",
            f"{len(values)} cells on {len(keys)} paired samples (task x sample), ranked by answer log-likelihood "
            "per token:", ""] + _cell_table(rows, budget, keys, values, acc_mean) + [""]
     out.append(f"Best `{best}` against worst `{worst}`: {_fmt_diff(bw['diff'])}, p (Holm over {len(verdicts)} "
                f"pairs) = {bw['p_holm']:.3g}: " + ("**separated**." if bw["separated"] else "not separated."))
-    out.append(f"Not separated from the best: {', '.join(f'`{c}`' for c in tied) or 'none'}; {len(sep)} of "
-               f"{len(verdicts)} pairs separated in all.")
+    out.append(f"Not separated from the best: {', '.join(f'`{c}`' for c in tied) or 'none'}; separated below it: "
+               f"{', '.join(f'`{c}`' for c in below) or 'none'}; {len(sep)} of {len(verdicts)} pairs separated in all.")
     tests = claim(values)
     if tests:
         out += ["", f"The paper's claim, `{CLAIM}` slots against `{SIXTEEN}` slots at these bytes (paired, Holm "
@@ -230,12 +231,26 @@ def page(rows: list[dict] | None = None, runs: list[dict] | None = None, per_tas
         lines += ["!!! warning \"Partial\"", f"    {len(rows)} of {planned} planned rows are in.", ""]
     models = sorted({r["model"] for r in rows}) or ["none"]
     dtypes = sorted({r.get("dtype", "?") for r in rows}) or ["?"]
+    lines += ["The question of \"More Tokens, Lower Precision\" (Zhang et al., arXiv 2412.12706): with X MiB for the "
+              "KV cache, keep fewer entries in 16 bits or more of them quantized, chosen by which rule?", ""]
     lines += [f"Each budget is a size of the whole model's KV cache; every cell spends it in one slot storage "
               f"(`fxbudget compare --slot-dtype`) and one rule, on the one kernel (the storage is a kernel setting, "
               f"recorded in each row and its fingerprint). Model: {', '.join(models)} in {', '.join(dtypes)}; "
               f"RULER's {len(TASKS)} tasks of the findings page at {LENGTH} tokens, {PROTOCOL}; "
               f"`{SIXTEEN}` is the 16-bit storage. Rows: `benchmarks/results/equal_bytes/<storage>/`; "
-              "the grid and how it runs: `benchmarks/equal_bytes.py`.", ""]
+              "the grid and how it runs: `benchmarks/equal_bytes.py`.", "",
+              "What a budget covers: the slots eviction manages (`tokens_for_bytes`: entries per layer and KV head, "
+              "bookkeeping included). The protocol's head-room comes on top, in the same storage: the question, "
+              "appended with eviction frozen, and the decoded tokens, so a row's held bytes (measured after "
+              "decoding) exceed its budget by the tokens it appended, by more in a wider storage (a bf16 entry is "
+              "2.8x an int4 one): a 16-bit cell holds more than the bytes it is ranked at, never less.", "",
+              "What the storages are: one float32 scale per entry and KV head over its `d` numbers, symmetric absmax "
+              "(`fxbudget.kernel.slot_storage`), for keys and values alike; no per-channel grouping of keys and no "
+              "full-precision window of recent tokens (KIVI's and `QuantizedCache`'s choices). At a covering budget "
+              "int4 slots already cost the model most of its greedy tokens "
+              "([slot_storage_error.md](../benchmarks/results/slot_storage_error.md)); the paper quantized with its "
+              "own grouping, so a refutation here is of this int4, not of every 4-bit cache "
+              "([QuantizedCache at the same bytes](../benchmarks/results/quantized_cache.md)).", ""]
     lines += _reference_lines(rows)
     sections, leads = [], []
     acc = by_budget(rows, ACCURACY)
@@ -251,9 +266,10 @@ def page(rows: list[dict] | None = None, runs: list[dict] | None = None, per_tas
     lines += sections
     added, wall = rate(runs)
     if runs:
-        lines += ["## Cost", "", f"{len(runs)} rounds of `fxbudget compare` ({rate_line(added, wall)}, two at a "
-                  "time on a 2-core CPU, one torch thread each, eager kernel); load averages in "
-                  "`benchmarks/results/equal_bytes/runs.jsonl`.", ""]
+        lines += ["## Cost", "", f"{len(runs)} rounds of `fxbudget compare`, two at a time on a 2-core CPU (one torch "
+                  f"thread each, eager kernel): {added} rows in {wall / 60:.1f} min summed over the rounds, "
+                  f"{added / (wall / 3600):.0f} rows per hour per process; the machine was shared part of the time "
+                  "(load averages in `benchmarks/results/equal_bytes/runs.jsonl`).", ""]
     return "\n".join(lines)
 
 
