@@ -127,13 +127,6 @@ def test_branch_equals_separate_run_in_query_blocks(rule):
     with torch.no_grad():
         m = fxbudget.compile(model, rule=rule, budget=12, backend=None, block=16)
         try:
-            separate = m.forward.new_cache(2)
-            out = m(input_ids=ids, past_key_values=separate, logits_to_keep=1)
-            branched = m.forward.new_cache(2)
-            branch(sp, branched, m.forward.rule)
-            for i, (a, b) in enumerate(zip(separate.layers, branched.layers)):
-                for name in SLOT_TENSORS:
-                    assert torch.equal(getattr(a, name), getattr(b, name)), (i, name)
-            assert torch.equal(out.logits[:, -1], sp.logits)
+            _separate_equals_branched(m, ids, sp)
         finally:
             model.forward.restore()
