@@ -42,8 +42,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from benchlib.env import ROOT, load_str  # noqa: E402
-from findings import (ACCURACY, LIKELIHOOD, METRICS, SEED, TASKS, _fmt_diff, _rel, _rows, aligned,  # noqa: E402
-                      cpu_dtype, decide, rate)
+from findings import (ACCURACY, LIKELIHOOD, METRICS, SEED, TASKS, _fmt_diff, _last, _rel, _rows,  # noqa: E402
+                      aligned, cpu_dtype, decide, rate)
 
 LENGTH = 1024
 BUDGETS = ("1MiB", "2MiB")
@@ -67,10 +67,11 @@ def rules_of(storage: str) -> tuple[str, ...]:
 
 
 def compare_command(storage: str, samples: int, *, tasks=TASKS, dtype: str = "float32", threads: int = 1,
-                    out: Path | None = None) -> list[str]:
-    """The `fxbudget compare` arguments of one round of `storage`'s folder (after `python -m fxbudget.cli`)."""
+                    out: Path | None = None, rules=None, budgets=BUDGETS) -> list[str]:
+    """The `fxbudget compare` arguments of one round of `storage`'s folder (after `python -m fxbudget.cli`): the
+    grid's, or another folder's `rules` at `budgets` on the grid's samples (benchmarks/quantized_cache.py)."""
     return ["compare", "--tasks", ",".join(tasks), "--lengths", str(LENGTH), "--samples", str(samples),
-            "--seed", str(SEED), "--rules", ",".join(rules_of(storage)), "--budgets", ",".join(BUDGETS),
+            "--seed", str(SEED), "--rules", ",".join(rules or rules_of(storage)), "--budgets", ",".join(budgets),
             "--slot-dtype", storage, "--protocol", PROTOCOL, "--device", "cpu", "--dtype", dtype,
             "--threads", str(threads), "--quiet", "--out", _rel(out or folder(storage))]
 
@@ -136,7 +137,7 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def _cell_table(rows: list[dict], budget: int, keys: list, values: dict, acc: dict) -> list[str]:
+def _cell_table(rows: list[dict], budget: int, values: dict, acc: dict) -> list[str]:
     """The cells of one budget ranked by mean answer likelihood, with what each bought and held."""
     import numpy as np
 
@@ -174,13 +175,13 @@ def _budget_section(rows: list[dict], budget: int, by_cell: dict, acc_by_cell: d
     acc_mean = {c: float(np.mean(v)) for c, v in acc.items()}
     verdicts = decide(values)
     sep = [v for v in verdicts if v["separated"]]
-    best, worst = verdicts[0]["a"], sorted(values, key=lambda c: (-float(values[c].mean()), c))[-1]
+    best, worst = verdicts[0]["a"], _last(values)  # `decide` orders the cells by mean
     bw = next(v for v in verdicts if v["a"] == best and v["b"] == worst)
     tied = [v["b"] for v in verdicts if v["a"] == best and not v["separated"]]
     below = [v["b"] for v in verdicts if v["a"] == best and v["separated"]]
     out = [f"## {_mib(budget)} of KV cache", "",
            f"{len(values)} cells on {len(keys)} paired samples (task x sample), ranked by answer log-likelihood "
-           "per token:", ""] + _cell_table(rows, budget, keys, values, acc_mean) + [""]
+           "per token:", ""] + _cell_table(rows, budget, values, acc_mean) + [""]
     out.append(f"Best `{best}` against worst `{worst}`: {_fmt_diff(bw['diff'])}, p (Holm over {len(verdicts)} "
                f"pairs) = {bw['p_holm']:.3g}: " + ("**separated**." if bw["separated"] else "not separated."))
     out.append(f"Not separated from the best: {', '.join(f'`{c}`' for c in tied) or 'none'}; separated below it: "

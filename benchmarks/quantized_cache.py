@@ -38,8 +38,8 @@ sys.path.insert(0, str(HERE))
 
 from benchlib.env import ROOT, env_info, header_lines, load_str  # noqa: E402
 from benchlib.output import md_table  # noqa: E402
-from equal_bytes import LENGTH, PER_TASK, PROTOCOL, SEED, TASKS  # noqa: E402
-from findings import _fmt_diff, _rel, _rows  # noqa: E402
+from equal_bytes import LENGTH, PER_TASK, PROTOCOL, SEED, TASKS, compare_command  # noqa: E402
+from findings import _fmt_diff, _rows  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "quantized_cache"
 ROWS = OUT / "anchor.jsonl"
@@ -86,6 +86,7 @@ def _answer_logprobs(model, cache, last_logits, answer):
     import torch
 
     from fxbudget.cache.keyword import cache_kwargs
+    from fxbudget.harness.likelihood import _logprobs  # the harness's own scoring of answer logits
 
     saved = [dict(layer.__dict__) for layer in cache.layers]
     logits = [last_logits[:, None].float()]
@@ -95,8 +96,7 @@ def _answer_logprobs(model, cache, last_logits, answer):
     for layer, state in zip(cache.layers, saved):
         layer.__dict__.clear()
         layer.__dict__.update(state)
-    lp = torch.log_softmax(torch.cat(logits, dim=1), dim=-1)
-    return lp[0].gather(-1, answer[0, :, None])[:, 0].double()
+    return _logprobs(torch.cat(logits, dim=1), answer)
 
 
 def sample_of(task: str, tok, i: int):
@@ -189,13 +189,6 @@ def anchor_budgets(rows: list[dict]) -> dict[str, str]:
             for a in sorted({r["anchor"] for r in rows})}
 
 
-def fx_command(storage: str, samples: int, budgets: list[str]) -> list[str]:
-    return ["compare", "--tasks", ",".join(TASKS), "--lengths", str(LENGTH), "--samples", str(samples),
-            "--seed", str(SEED), "--rules", ",".join(RULES), "--budgets", ",".join(budgets),
-            "--slot-dtype", storage, "--protocol", PROTOCOL, "--device", "cpu", "--dtype", "float32",
-            "--threads", "1", "--quiet", "--out", _rel(OUT / f"fxbudget_{storage}")]
-
-
 def run_fxbudget(per_task: int, parallel: int) -> None:
     """The fxbudget cells at the anchors' bytes, one folder per storage, `parallel` at once, in rounds."""
     budgets = sorted(set(anchor_budgets(_read(ROWS)).values()))
@@ -203,7 +196,7 @@ def run_fxbudget(per_task: int, parallel: int) -> None:
     for n in range(1, per_task + 1):
         procs = []
         for storage in STORAGES:
-            cmd = fx_command(storage, n, budgets)
+            cmd = compare_command(storage, n, rules=RULES, budgets=budgets, out=OUT / f"fxbudget_{storage}")
             print(f"[quantized_cache] fxbudget {shlex.join(cmd)}", file=sys.stderr)
             procs.append(subprocess.Popen([sys.executable, "-m", "fxbudget.cli", *cmd], cwd=ROOT, env=env))
             if len(procs) >= parallel:
